@@ -1,0 +1,358 @@
+# -----------------------------------------------------------------------------
+# Token loss: LM head + log-softmax + (GRPO / distillation) loss, naive and fused.
+#
+# Everything here works on flattened rows: hidden [N, H] (final hidden states),
+# weight [V, H] (LM head), tokens [N] (the sampled token of each row).
+# The fused version never materialises an [N, V] tensor: it walks the rows in
+# chunks and computes the gradients for hidden and weight during the forward.
+
+import math
+import torch
+
+DISTILL_MODES = ("full", "topk", "token")
+TAIL_LOG_CLAMP = -1e-7  # as in the SDPO reference: keeps log(1 - sum top-k p) finite
+
+
+def _compute_dtype(dtype):
+    # fp32 maths for fp32/bf16/fp16 inputs, fp64 for fp64 inputs (used by the tests)
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _divergence(s, t, alpha):
+    """Divergence between row distributions given as log-probs s (student) and t
+    (teacher), reduced over the last dim. alpha=0: KL(q||p), alpha=1: KL(p||q),
+    otherwise the generalized JSD with mixture m = (1-alpha) p + alpha q."""
+    if alpha == 0:
+        return (t.exp() * (t - s)).sum(-1)
+    if alpha == 1:
+        return (s.exp() * (s - t)).sum(-1)
+    log_m = torch.logaddexp(s + math.log(1 - alpha), t + math.log(alpha))
+    kl_pm = (s.exp() * (s - log_m)).sum(-1)
+    kl_qm = (t.exp() * (t - log_m)).sum(-1)
+    return (1 - alpha) * kl_pm + alpha * kl_qm
+
+
+def _topk_buckets(s_k, t_k, tail):
+    """Top-k log-probs [n, k] (gathered from full-vocab log-softmaxes) -> the
+    bucket log-probs the divergence is taken over: k + 1 buckets with a tail
+    bucket log(1 - sum_k p), or the k tokens renormalised."""
+    if not tail:
+        return torch.log_softmax(s_k, -1), torch.log_softmax(t_k, -1)
+
+    def add_tail(lp):
+        # log(1 - exp(lse)) via expm1; the clamp avoids log(0) = -inf (and NaN
+        # grads) when the top-k hold (numerically) all the mass
+        lse = torch.logsumexp(lp, -1, keepdim=True).clamp(max=TAIL_LOG_CLAMP)
+        return torch.cat([lp, torch.log(-torch.expm1(lse))], -1)
+
+    return add_tail(s_k), add_tail(t_k)
+
+
+def distill_divergence(student_logits, teacher_logits, alpha, distill, topk, tail):
+    """Per-row divergence [N] between student and teacher logits [N, V].
+    distill="full": over the whole vocab; "topk": over the student's top-k tokens
+    (+ a tail bucket, or renormalised). Computed in fp32 (fp64 for fp64 inputs)."""
+    if distill not in ("full", "topk"):
+        raise ValueError(f"distill_divergence: distill must be 'full' or 'topk', got {distill!r}"
+                         " ('token' is a sampled-token estimator, handled in the loss)")
+    dt = _compute_dtype(student_logits.dtype)
+    z, zt = student_logits.to(dt), teacher_logits.to(dt)
+    s, t = torch.log_softmax(z, -1), torch.log_softmax(zt, -1)
+    if distill == "full":
+        return _divergence(s, t, alpha)
+    idx = torch.topk(z, min(topk, z.shape[-1]), dim=-1).indices
+    s_b, t_b = _topk_buckets(s.gather(-1, idx), t.gather(-1, idx), tail)
+    return _divergence(s_b, t_b, alpha)
+
+
+def _check_args(hidden, weight, tokens, teacher, div_rows, distill):
+    if distill not in DISTILL_MODES:
+        raise ValueError(f"distill must be one of {DISTILL_MODES}, got {distill!r}")
+    assert hidden.dim() == 2 and weight.dim() == 2 and hidden.shape[1] == weight.shape[1]
+    assert tokens.shape == (hidden.shape[0],)
+    # rows that get a divergence: all rows by default when there is a teacher, none without
+    N = hidden.shape[0]
+    if teacher is None:
+        return torch.zeros(N, dtype=torch.bool, device=hidden.device)
+    if div_rows is None:
+        return torch.ones(N, dtype=torch.bool, device=hidden.device)
+    assert div_rows.shape == (N,) and div_rows.dtype == torch.bool
+    return div_rows
+
+
+def _teacher_logits(teacher, rows, dt, temperature):
+    """sum_i coef_i * (hidden_i[rows] @ weight_i.T) / temperature, no grad."""
+    z = None
+    for h_t, w_t, coef in teacher:
+        part = h_t.detach()[rows].to(dt) @ w_t.detach().to(dt).T
+        z = coef * part if z is None else z + coef * part
+    return z / temperature
+
+
+def naive_token_loss(hidden, weight, tokens, loss_fn, teacher=None, div_rows=None, *,
+                     alpha, distill, topk, tail, temperature=1.0):
+    """Reference implementation: full [N, V] logits and plain autograd.
+    Returns (loss, stats) with stats = {"logp", "div", "teacher_logp"} (detached fp32 [N])."""
+    div_mask = _check_args(hidden, weight, tokens, teacher, div_rows, distill)
+    N = hidden.shape[0]
+    dt = _compute_dtype(hidden.dtype)
+    tokens = tokens.long()
+    logits = hidden.to(dt) @ weight.to(dt).T
+    if temperature != 1.0:
+        logits = logits / temperature
+    logp = torch.log_softmax(logits, -1).gather(1, tokens[:, None]).squeeze(1)
+    div = torch.zeros(N, dtype=dt, device=hidden.device)
+    teacher_logp = torch.zeros(N, dtype=dt, device=hidden.device)
+    rows = div_mask.nonzero().squeeze(1)
+    if rows.numel() > 0:
+        t_logits = _teacher_logits(teacher, rows, dt, temperature)
+        t_lp = torch.log_softmax(t_logits, -1).gather(1, tokens[rows, None]).squeeze(1)
+        teacher_logp = teacher_logp.index_put((rows,), t_lp)
+        if distill == "token":
+            d = (logp[rows] - t_lp).detach()
+        else:
+            d = distill_divergence(logits[rows], t_logits, alpha, distill, topk, tail)
+        div = div.index_put((rows,), d)
+    loss = loss_fn(logp, div, teacher_logp, slice(0, N))
+    stats = {"logp": logp.detach().float(), "div": div.detach().float(),
+             "teacher_logp": teacher_logp.detach().float()}
+    return loss, stats
+
+
+def _logits_into(buf, parts, transposed):
+    """sum_i h_i @ w_i.T for parts [(h_i [c, H], w_i [V, H])], written into the
+    flat buffer buf; returns a [c, V] view. transposed=True computes the
+    [V, c] product W @ h.T instead (MKL is much faster at it for few rows) and
+    returns its transpose, a [c, V] view with strides (1, c)."""
+    c, V = parts[0][0].shape[0], parts[0][1].shape[0]
+    if transposed:
+        out = buf[: c * V].view(V, c)
+        for i, (h, w) in enumerate(parts):
+            torch.mm(w, h.T, out=out) if i == 0 else out.addmm_(w, h.T)
+        return out.T
+    out = buf[: c * V].view(c, V)
+    for i, (h, w) in enumerate(parts):
+        torch.mm(h, w.T, out=out) if i == 0 else out.addmm_(h, w.T)
+    return out
+
+
+class _FusedTokenLoss(torch.autograd.Function):
+    """Chunked forward that also computes d loss / d hidden and d loss / d weight
+    (the output is a scalar, so the backward only has to scale them)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, tokens, loss_fn, teacher, div_mask,
+                alpha, distill, topk, tail, temperature, chunk_size):
+        N, H = hidden.shape
+        V = weight.shape[0]
+        dev = hidden.device
+        dt = _compute_dtype(hidden.dtype)
+        need_gh, need_gw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        tokens = tokens.long()
+        w = weight.detach().to(dt)  # no copy when weight is already fp32
+        teacher = [(h_t.detach(), w_t.detach().to(dt), float(coef)) for h_t, w_t, coef in teacher or []]
+        k = min(topk, V) if distill == "topk" else 0
+        transposed = dev.type == "cpu" if __import__("os").environ.get("FL") is None else __import__("os").environ["FL"] == "1"
+
+        grad_h = torch.empty(N, H, dtype=dt, device=dev) if need_gh else None
+        grad_w = torch.zeros(V, H, dtype=dt, device=dev) if need_gw else None
+        logp_all = torch.zeros(N, dtype=dt, device=dev)
+        div_all = torch.zeros(N, dtype=dt, device=dev)
+        tlogp_all = torch.zeros(N, dtype=dt, device=dev)
+        total = torch.zeros((), dtype=dt, device=dev)
+        div_mask_cpu = div_mask.cpu()  # one host sync, then per-chunk row lists are free
+        # [chunk, V] buffers reused by every chunk: no allocation (nor, on CPU,
+        # page faults of freshly mmapped memory) per chunk
+        c_max = min(chunk_size, N)
+        z_buf = torch.empty(c_max * V, dtype=dt, device=dev)
+        t_buf = torch.empty(c_max * V, dtype=dt, device=dev) if bool(div_mask_cpu.any()) else None
+
+        for a in range(0, N, chunk_size):
+            b = min(a + chunk_size, N)
+            c = b - a
+            # temperature folded into the (small) hidden chunk instead of the [c, V] logits
+            h = hidden[a:b].detach().to(dt) / temperature
+            y = tokens[a:b, None]
+            d_local = div_mask_cpu[a:b].nonzero().squeeze(1)
+            nd = d_local.numel()
+            all_div = nd == c
+            d_idx = d_local.to(dev)
+
+            # ---- student logits / T, [c, V]
+            z = _logits_into(z_buf, [(h, w)], transposed)
+            z_y = z.gather(1, y).squeeze(1)
+            if distill == "full":
+                # z <- s = log-probs (needed over the whole vocab); p = exp(s)
+                # becomes the gradient buffer
+                lse = torch.logsumexp(z, 1)
+                z.sub_(lse[:, None])
+                p = z.exp()
+                p_norm = None  # p is normalised
+            else:
+                if k and nd:
+                    zk, top_idx = torch.topk(z if all_div else z[d_idx], k, dim=1)
+                    # the top-1 of the top-k is the row max: saves a pass over z
+                    mx = zk[:, 0] if all_div else z.amax(1)
+                else:
+                    mx = z.amax(1)
+                # z <- exp(z - max) in place: unnormalised probs, p = z / p_norm
+                p = z.sub_(mx[:, None]).exp_()
+                p_norm = p.sum(1)
+                lse = mx + p_norm.log()
+            logp = z_y - lse
+
+            # ---- teacher (log-probs at y, and what the divergence needs), div rows only
+            tlogp = torch.zeros(c, dtype=dt, device=dev)
+            div = torch.zeros(c, dtype=dt, device=dev)
+            if nd:
+                rows_g = d_idx + a
+                zt = _logits_into(t_buf, [(h_t[rows_g].to(dt) * (coef / temperature), w_t)
+                                          for h_t, w_t, coef in teacher], transposed)
+                zt_y = zt.gather(1, y[d_idx]).squeeze(1)
+                if distill == "full":
+                    t_lse = torch.logsumexp(zt, 1)
+                    t = zt.sub_(t_lse[:, None])  # teacher log-probs, [nd, V]
+                else:
+                    if k:
+                        zt_k = zt.gather(1, top_idx)
+                    tmx = zt.amax(1)
+                    t_lse = tmx + zt.sub_(tmx[:, None]).exp_().sum(1).log()
+                del zt
+                tlogp[d_idx] = zt_y - t_lse
+
+            # ---- divergence (and what is needed for its gradient)
+            if nd and distill == "topk":
+                # small [nd, k] local graph: the divergence as a function of the
+                # student's top-k log-probs s_k
+                with torch.enable_grad():
+                    s_k = (zk - lse[d_idx, None]).requires_grad_()
+                    s_b, t_b = _topk_buckets(s_k, zt_k - t_lse[:, None], tail)
+                    d = _divergence(s_b, t_b, alpha)
+                div[d_idx] = d.detach()
+            elif nd and distill == "full":
+                # closed form d div / d z for the div rows, [nd, V]; s is scratch
+                s = z if all_div else z[d_idx]
+                p_d = p if all_div else p[d_idx]
+                if alpha == 0:  # KL(q||p): grad p - q
+                    q = t.exp()
+                    d = (q * (t - s)).sum(1)
+                    ddiv_dz = q.neg_().add_(p_d)
+                elif alpha == 1:  # KL(p||q): grad p (log p - log q - KL)
+                    r = s.sub_(t)
+                    d = (p_d * r).sum(1)
+                    ddiv_dz = r.sub_(d[:, None]).mul_(p_d)
+                else:  # JSD: grad (1 - alpha) p (log p - log m - KL(p||m))
+                    log_m = torch.logaddexp(s + math.log(1 - alpha), t + math.log(alpha))
+                    kl_qm = (t.exp() * (t - log_m)).sum(1)
+                    s_m = s.sub_(log_m)
+                    del log_m
+                    kl_pm = (p_d * s_m).sum(1)
+                    d = (1 - alpha) * kl_pm + alpha * kl_qm
+                    ddiv_dz = s_m.sub_(kl_pm[:, None]).mul_(p_d).mul_(1 - alpha)
+                del s, t, p_d
+                div[d_idx] = d
+            elif nd and distill == "token":
+                div[d_idx] = logp[d_idx] - tlogp[d_idx]
+            del z
+
+            # ---- the caller's loss on the [c] vectors; tiny local autograd for
+            # d loss / d logp and d loss / d div
+            with torch.enable_grad():
+                logp_leaf = logp.clone().requires_grad_()
+                div_leaf = div.clone().requires_grad_(distill != "token")
+                out = loss_fn(logp_leaf, div_leaf, tlogp, slice(a, b))
+                leaves = [logp_leaf, div_leaf] if distill != "token" else [logp_leaf]
+                if out.requires_grad:
+                    grads = torch.autograd.grad(out, leaves, allow_unused=True)
+                else:
+                    grads = [None] * len(leaves)
+                g_logp = grads[0] if grads[0] is not None else torch.zeros_like(logp)
+                g_div = None
+                if distill != "token" and grads[1] is not None:
+                    g_div = grads[1][d_idx]
+                # back through the top-k buckets: d loss / d s_k, [nd, k]
+                g_sk = None
+                if nd and distill == "topk" and g_div is not None:
+                    (g_sk,) = torch.autograd.grad(d, s_k, grad_outputs=g_div)
+            total += out.detach().to(dt)
+            logp_all[a:b] = logp
+            div_all[a:b] = div
+            tlogp_all[a:b] = tlogp
+            if not (need_gh or need_gw):
+                continue
+
+            # ---- d loss / d z, built in place in the z buffer.
+            # With s = log_softmax(z): dL/dz = G - p * sum(G) where G = dL/ds.
+            # G is sparse for logp (token y) and top-k (indices top_idx).
+            g_sum = g_logp.clone()
+            if g_sk is not None:
+                g_sum[d_idx] += g_sk.sum(1)
+            scale = -g_sum if p_norm is None else -g_sum / p_norm
+            dz = p.mul_(scale[:, None])  # -p * sum(G), in the p buffer
+            dz.scatter_add_(1, y, g_logp[:, None])
+            if g_sk is not None:
+                if all_div:
+                    dz.scatter_add_(1, top_idx, g_sk)
+                else:
+                    dz.index_put_((d_idx[:, None].expand_as(top_idx), top_idx), g_sk, accumulate=True)
+            if distill == "full" and nd and g_div is not None:
+                if all_div:
+                    dz.add_(ddiv_dz.mul_(g_div[:, None]))
+                else:
+                    dz.index_add_(0, d_idx, ddiv_dz.mul_(g_div[:, None]))
+            ddiv_dz = None
+
+            # ---- chain through z = (h / T) @ W.T
+            if need_gh:
+                torch.mm(dz, w, out=grad_h[a:b])
+            if need_gw:
+                grad_w.addmm_(dz.T, h)
+            del p, dz
+
+        if need_gh:
+            grad_h = grad_h.div_(temperature).to(hidden.dtype)
+        if need_gw:
+            grad_w = grad_w.to(weight.dtype)
+        ctx.grads = (grad_h, grad_w)
+        stats = (logp_all.float(), div_all.float(), tlogp_all.float())
+        ctx.mark_non_differentiable(*stats)
+        return (total,) + stats
+
+    @staticmethod
+    def backward(ctx, grad_out, *_):
+        if ctx.grads is None:
+            raise RuntimeError("fused_token_loss: backward can run only once (gradients are freed)")
+        grad_h, grad_w = ctx.grads
+        # drop our references so autograd can take the tensors over without a copy
+        ctx.grads = None
+        if grad_out.ne(1).item():
+            grad_h = grad_h * grad_out.to(grad_h.dtype) if grad_h is not None else None
+            grad_w = grad_w * grad_out.to(grad_w.dtype) if grad_w is not None else None
+        return (grad_h, grad_w) + (None,) * 10
+
+
+def fused_token_loss(hidden, weight, tokens, loss_fn, teacher=None, div_rows=None, *,
+                     alpha, distill, topk, tail, temperature=1.0, chunk_size=256):
+    """Same semantics as naive_token_loss, in chunks of rows with no [N, V] tensor.
+    loss_fn is called once per chunk with rows = slice(a, b); the loss is the sum."""
+    div_mask = _check_args(hidden, weight, tokens, teacher, div_rows, distill)
+    loss, logp, div, tlogp = _FusedTokenLoss.apply(
+        hidden, weight, tokens, loss_fn, teacher, div_mask,
+        alpha, distill, topk, tail, temperature, chunk_size)
+    return loss, {"logp": logp, "div": div, "teacher_logp": tlogp}
+
+
+@torch.no_grad()
+def sampled_logprobs(hidden, weight, tokens, temperature=1.0, chunk_size=256):
+    """log-softmax(hidden @ weight.T / T) at tokens, [N] fp32, chunked, no grad
+    (e.g. reference-model log-probs)."""
+    dt = _compute_dtype(hidden.dtype)
+    w = weight.to(dt)
+    out = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+    for a in range(0, hidden.shape[0], chunk_size):
+        z = hidden[a:a + chunk_size].to(dt) @ w.T
+        if temperature != 1.0:
+            z.div_(temperature)
+        lse = torch.logsumexp(z, 1)
+        out[a:a + chunk_size] = (z.gather(1, tokens[a:a + chunk_size, None].long()).squeeze(1) - lse).float()
+    return out

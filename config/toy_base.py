@@ -1,0 +1,17 @@
+# SFT a small Qwen2-architecture model from scratch on all five toy domains, to partial
+# competence: the starting point of every toy RL run (init_from="out/toy_base/ckpt").
+out_dir = "out/toy_base"
+init_from = "scratch"
+algo = "sft"
+dataset = "toy/add+toy/sub+toy/mul+toy/sort+toy/rev"
+eval_sets = "toy/add,toy/sub,toy/mul,toy/sort,toy/rev"
+max_iters = 600
+batch_prompts = 64
+micro_batch_size = 64
+learning_rate = 3e-3
+warmup_iters = 50
+weight_decay = 0.1
+beta2 = 0.99
+max_new_tokens = 24
+eval_interval = 200
+eval_max_prompts = 100

@@ -1,0 +1,259 @@
+"""
+Shared helpers for the real-benchmark data/<name>/prepare.py scripts: command-line arguments,
+reading local JSON/JSONL sources, the paper's prompts, schema rows, atomic JSONL writing and
+one-line error exits. Also EVAL_PRESETS, the named groups of eval sets that eval.py understands.
+
+Every prepare script downloads from the HF hub by default (`datasets.load_dataset`), or converts
+local files with --from_file=PATH (repeatable, or a comma list; a file whose name holds
+"train" / "test" feeds that split). It writes data/<name>/{train,test}.jsonl (or --out_dir), one
+task a line: {"id", "domain", "kind", "messages": [{"role", "content"}...], "answer", ...extras}.
+Nothing is half-written: every line is converted and checked first, then each file goes to a
+temp file that is renamed into place.
+"""
+import argparse
+import json
+import os
+import random
+import sys
+import tempfile
+
+from tqdm import tqdm
+
+DATA_DIR = os.path.dirname(os.path.abspath(__file__))
+
+# named groups of eval sets (folders under data/), for eval.py's --eval_sets=<preset>
+EVAL_PRESETS = {
+    "math": ["math500", "aime", "amc23", "gsm8k"],
+    "science": ["sciknoweval/biology", "sciknoweval/chemistry", "sciknoweval/material", "sciknoweval/physics"],
+    "tool": ["tooluse"],
+    "general": ["gpqa", "mmlu_pro"],
+}
+EVAL_PRESETS["paper"] = EVAL_PRESETS["math"] + EVAL_PRESETS["science"] + EVAL_PRESETS["tool"] + EVAL_PRESETS["general"]
+
+# the paper's prompts
+MATH_SUFFIX = "\n\nPlease reason step by step, and put your final answer within \\boxed{}."
+LETTERS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
+
+
+def mcq_system(n_options=4):
+    """SciKnowEval's system prompt (verbatim for 4 options), generalised to n options."""
+    letters = ", ".join(LETTERS[:n_options - 1]) + (", or " if n_options > 2 else " or ") + LETTERS[n_options - 1]
+    count = {2: "two", 4: "four", 10: "ten"}.get(n_options, str(n_options))
+    return ("\nGiven a question and " + count + " options, please select the right answer. Respond in the "
+            "following format:\n<reasoning>\n...\n</reasoning>\n<answer>\n...\n</answer>\n\nFor the answer, only "
+            "output the letter corresponding to the correct option (" + letters + "), and nothing else. Do not "
+            "restate the answer text. For example, if the answer is \"A\", just output:\n<answer>\nA\n</answer>\n")
+
+
+def mcq_prompt(question, options):
+    """SciKnowEval's user turn: the question, lettered options, then "Please reason step by step."."""
+    lines = "\n".join(f"{LETTERS[i]}: {str(o).strip()}" for i, o in enumerate(options))
+    return f"{str(question).strip()}\n\n{lines}\nPlease reason step by step."
+
+
+def shuffled_options(correct, incorrect, key, seed=0):
+    """(options, answer letter): the correct option placed by a shuffle seeded by (seed, key)."""
+    options = [str(correct).strip()] + [str(o).strip() for o in incorrect]
+    order = list(range(len(options)))
+    random.Random(f"{seed}-{key}").shuffle(order)
+    return [options[i] for i in order], LETTERS[order.index(0)]
+
+
+def answer_str(x):
+    """27.0 -> '27'; other values as text."""
+    if isinstance(x, float) and x.is_integer():
+        return str(int(x))
+    return str(x).strip()
+
+
+def boxed_answer(text):
+    """Content of the last \\boxed{...} in a reference solution (None if there is none)."""
+    i = max(text.rfind("\\boxed{"), text.rfind("\\fbox{"))
+    if i < 0:
+        return None
+    start, depth = text.index("{", i), 0
+    for j in range(start, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[j], 0)
+        if depth == 0:
+            return text[start + 1:j].strip()
+    return None
+
+
+def make_row(id, domain, kind, user, answer, system=None, **extra):
+    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": user}]
+    return {"id": str(id), "domain": domain, "kind": kind, "messages": messages, "answer": answer_str(answer), **extra}
+
+
+def math_row(id, problem, answer, **extra):
+    return make_row(id, "math", "math", str(problem).strip() + MATH_SUFFIX, answer, **extra)
+
+
+# --- errors, arguments, reading --------------------------------------------------------------------
+
+_open_bars = []  # progress bars to close before an error message, so that it is the last line
+
+
+def die(msg):
+    """One line on stderr, exit code 1."""
+    for bar in _open_bars:
+        bar.close()
+    print(f"error: {msg}", file=sys.stderr)
+    sys.exit(1)
+
+
+def parse_args(name, doc, add_args=None):
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--from_file", action="append", default=[], metavar="PATH",
+                   help="convert a local JSON/JSONL file instead of downloading (repeatable or comma list)")
+    p.add_argument("--out_dir", default=os.path.join(DATA_DIR, name), help="default: data/%s" % name)
+    if add_args:
+        add_args(p)
+    args = p.parse_args()
+    args.from_file = [x.strip() for item in args.from_file for x in item.split(",") if x.strip()]
+    return args
+
+
+_MISSING = object()
+
+
+def field(rec, where, *names, default=_MISSING):
+    """The first of names present in rec (not None); else default, else die 'WHERE: missing field'."""
+    for n in names:
+        if rec.get(n) is not None:
+            return rec[n]
+    if default is not _MISSING:
+        return default
+    die(f"{where}: missing field {names[0]!r}")
+
+
+def read_records(path):
+    """[(where, record)] from a JSONL file, or a JSON file holding a list (or {"data": list}).
+    `where` is "PATH:LINE" (or "PATH:ITEM") for error messages."""
+    if not os.path.isfile(path):
+        die(f"source file not found: {path}")
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    if not path.endswith(".jsonl") and text.lstrip()[:1] in "[{":
+        try:  # a whole-file JSON document; HF's to_json writes JSON lines into .json files, see below
+            doc = json.loads(text)
+            doc = doc.get("data", doc) if isinstance(doc, dict) else doc
+            if isinstance(doc, list):
+                records = [(f"{path}:{i + 1}", r) for i, r in enumerate(doc)]
+                for where, r in records:
+                    if not isinstance(r, dict):
+                        die(f"{where}: not a JSON object")
+                return records
+        except ValueError:
+            pass
+    records = []
+    for n, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            r = json.loads(line)
+        except ValueError:
+            die(f"{path}:{n}: not valid JSON")
+        if not isinstance(r, dict):
+            die(f"{path}:{n}: not a JSON object")
+        records.append((f"{path}:{n}", r))
+    return records
+
+
+def split_of(path, default):
+    name = os.path.basename(path).lower()
+    return "train" if "train" in name else "test" if "test" in name else default
+
+
+def from_files(paths, default_split="test", only=None):
+    """{split: [(where, record)]} from local files, each assigned to a split by its name
+    (or all of them to `only`, for sets that have a single split)."""
+    sources = {}
+    for path in paths:
+        sources.setdefault(only or split_of(path, default_split), []).extend(read_records(path))
+    return sources
+
+
+def load_hub(path, name=None, split=None, **kw):
+    """datasets.load_dataset with a one-line error instead of a traceback."""
+    try:
+        from datasets import load_dataset
+    except ImportError:
+        die("downloading needs the `datasets` package (pip install datasets), or pass --from_file=PATH")
+    print(f"loading {path}{'/' + name if name else ''} {split or ''} from the HF hub")
+    try:
+        return load_dataset(path, name, split=split, **kw)
+    except Exception as e:  # no network, gated set, renamed split, ...
+        die(f"could not load {path} from the HF hub ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); "
+            f"convert a local copy with --from_file=PATH")
+
+
+def hub_records(path, name=None, splits=("test",), **kw):
+    """{split: [(where, record)]} from the hub."""
+    return {s: [(f"{path}:{s}[{i}]", dict(r)) for i, r in enumerate(load_hub(path, name, s, **kw))] for s in splits}
+
+
+# --- converting and writing -------------------------------------------------------------------------
+
+def convert(sources, fn, desc, dedup=False):
+    """{split: [rows]}: fn(record, where, split, index) -> row or None (skipped), with progress bars.
+    dedup: keep only the first row of each distinct prompt."""
+    out = {}
+    for split, records in sources.items():
+        rows, seen = [], set()
+        bar = tqdm(records, desc=f"{desc} {split}", unit="ex")
+        _open_bars.append(bar)
+        for i, (where, r) in enumerate(bar):
+            row = fn(r, where, split, i)
+            if row is None:
+                continue
+            if dedup:
+                key = json.dumps(row["messages"])
+                if key in seen:
+                    continue
+                seen.add(key)
+            rows.append(row)
+        _open_bars.remove(bar)
+        out[split] = rows
+    return out
+
+
+def check_row(row, where):
+    """The schema every training/eval line must satisfy."""
+    ok = (isinstance(row.get("id"), str) and isinstance(row.get("domain"), str)
+          and row.get("kind") in ("math", "mcq", "tool", "exact") and isinstance(row.get("answer"), str)
+          and row["answer"] != "" and isinstance(row.get("messages"), list) and row["messages"]
+          and all(isinstance(m, dict) and m.get("role") in ("system", "user", "assistant")
+                  and isinstance(m.get("content"), str) for m in row["messages"])
+          and row["messages"][-1]["role"] == "user")
+    if not ok:
+        die(f"{where}: converted line does not fit the schema: {json.dumps(row)[:200]}")
+
+
+def write_splits(out_dir, splits):
+    """Check every row, then write out_dir/<split>.jsonl atomically (temp file + os.replace)."""
+    for split, rows in splits.items():
+        if not rows:
+            die(f"no {split} examples to write to {out_dir}")
+        seen = set()
+        for row in rows:
+            check_row(row, f"{split} line {row.get('id')}")
+            if row["id"] in seen:
+                die(f"duplicate id {row['id']!r} in {split}")
+            seen.add(row["id"])
+    os.makedirs(out_dir, exist_ok=True)
+    tmps = []
+    try:
+        for split, rows in splits.items():
+            fd, tmp = tempfile.mkstemp(dir=out_dir, prefix=f".{split}.", suffix=".tmp")
+            tmps.append(tmp)
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                for row in rows:
+                    f.write(json.dumps(row, ensure_ascii=False) + "\n")
+        for tmp, split in zip(tmps, splits):
+            os.replace(tmp, os.path.join(out_dir, f"{split}.jsonl"))
+    finally:
+        for tmp in tmps:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+    for split, rows in splits.items():
+        print(f"wrote {len(rows)} lines to {os.path.join(out_dir, split + '.jsonl')}")

@@ -1,0 +1,143 @@
+"""
+The toy suite: synthetic domains with verifiable answers, at graded distances from each other,
+plus a character-level HF tokenizer with a chat template. Nothing is downloaded.
+
+    python data/toy/prepare.py            # writes data/toy/<domain>/{train,test}.jsonl + data/toy/tokenizer/
+
+Prompts are terse ("347+85", "sort dbca") to keep sequences short on a CPU; each domain's answer
+format is learned from its SFT data. Domains (distance from `add`, the usual first stage):
+    add   a+b, 2-3 digit numbers         \\boxed{}             -- the reference domain
+    sub   a-b (a >= b), same digits      \\boxed{}             -- near: same format, sibling skill
+    mul   a*b, 2-3 digits x 1 digit      \\boxed{}             -- intermediate: same format, other skill
+    sort  sort 4-7 letters               <answer></answer>    -- far: strings, other format
+    rev   reverse 4-7 letters            <answer></answer>    -- far, and near to `sort`
+Two answer formats make format leakage measurable: a `\\boxed{}` in a string task (or an
+`<answer>` tag in an arithmetic one) is another domain's format showing up.
+
+Training lines carry `solution` (the reference response, used by SFT). A fraction of them are in
+the SDPO teacher-context format (the prompt followed by a correct solution, or by feedback on a
+wrong attempt), so the SFT base learns, like a real LLM, to use a demonstration in context.
+The templates are train.py's defaults, read from there so the two never disagree.
+"""
+import json
+import os
+import random
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))  # the repo root, for train.py
+import train  # noqa: E402  (templates and the tokenizer builder live there)
+
+DOMAINS = ["add", "sub", "mul", "sort", "rev"]
+N_TRAIN, N_TEST = 5000, 200
+LETTERS = "abcdefghijklmnopqrstuvwxyz"
+
+
+def make_task(domain, rng):
+    """Return (question, answer, kind, solution)."""
+    if domain in ("add", "sub", "mul"):
+        a = rng.randint(10, 999)
+        b = rng.randint(2, 9) if domain == "mul" else rng.randint(10, 999)
+        if domain == "sub" and b > a:
+            a, b = b, a
+        op = {"add": "+", "sub": "-", "mul": "*"}[domain]
+        value = {"add": a + b, "sub": a - b, "mul": a * b}[domain]
+        question = f"{a}{op}{b}"
+        return question, str(value), "math", f"\\boxed{{{value}}}"
+    word = "".join(rng.choice(LETTERS) for _ in range(rng.randint(4, 7)))
+    if domain == "sort":
+        question, value = f"sort {word}", "".join(sorted(word))
+    else:
+        question, value = f"reverse {word}", word[::-1]
+    return question, value, "exact", f"<answer>{value}</answer>"
+
+
+def wrong_attempt(solution, answer, rng):
+    """A plausible wrong response: one character of the answer changed, format intact."""
+    i = rng.randrange(len(answer))
+    pool = "0123456789" if answer[i].isdigit() else LETTERS
+    wrong = answer[:i] + rng.choice([c for c in pool if c != answer[i]]) + answer[i + 1:]
+    return solution.replace(answer, wrong)
+
+
+def teacher_context_example(question, solution, kind, answer, rng):
+    """The SDPO teacher prompt for this question: a correct peer, or feedback on a wrong try."""
+    if rng.random() < 0.7:
+        peer, feedback = solution, None
+    else:
+        peer, feedback = None, train.reward(kind, wrong_attempt(solution, answer, rng), answer)[1]
+    return train.teacher_prompt_text(question, peer, feedback, train.reprompt_template,
+                                     train.solution_template, train.feedback_template)
+
+
+def build_char_tokenizer():
+    """One token per printable ASCII character (+ newline), specials as single ids, ChatML template.
+
+    Built as a byte-level BPE with no merges and Qwen2's pre-tokenizer, so it is the tokenizer
+    transformers rebuilds when it loads a checkpoint folder whose config says qwen2: a folder
+    saved by train.py tokenizes exactly like data/toy/tokenizer, whichever class loads it."""
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    to_char = bytes_to_unicode()
+    chars = [to_char[b] for b in [10] + list(range(32, 127))]  # newline + printable ASCII, byte-level spelled
+    vocab = {tok: i for i, tok in enumerate(specials + chars)}
+    core = Tokenizer(models.BPE(vocab=vocab, merges=[], continuing_subword_prefix="", end_of_word_suffix="",
+                                fuse_unk=False, byte_fallback=False))
+    core.normalizer = normalizers.NFC()
+    core.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    core.decoder = decoders.ByteLevel()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<|endoftext|>", eos_token="<|im_end|>",
+                                        additional_special_tokens=specials)
+    tokenizer.chat_template = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    return tokenizer
+
+
+def bytes_to_unicode():
+    """GPT-2's byte -> printable character map used by byte-level BPE vocabularies."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return chars
+
+
+def write_domain(domain, seed, out_root):
+    rng = random.Random(f"{seed}-{domain}")
+    seen, rows = set(), []
+    while len(rows) < N_TRAIN + N_TEST:
+        question, answer, kind, solution = make_task(domain, rng)
+        if question in seen:
+            continue
+        seen.add(question)
+        rows.append((question, answer, kind, solution))
+    os.makedirs(os.path.join(out_root, domain), exist_ok=True)
+    for split, part in (("test", rows[:N_TEST]), ("train", rows[N_TEST:])):
+        with open(os.path.join(out_root, domain, f"{split}.jsonl"), "w") as f:
+            for i, (question, answer, kind, solution) in enumerate(part):
+                line = {"id": f"{domain}-{split}-{i}", "domain": domain, "kind": kind,
+                        "messages": [{"role": "user", "content": question}],
+                        "answer": answer, "solution": solution}
+                f.write(json.dumps(line) + "\n")
+                if split == "train" and rng.random() < 0.3:  # teacher-context copy of the same task
+                    content = teacher_context_example(question, solution, kind, answer, rng)
+                    line = dict(line, id=line["id"] + "-ctx", messages=[{"role": "user", "content": content}])
+                    f.write(json.dumps(line) + "\n")
+
+
+if __name__ == "__main__":
+    for domain in DOMAINS:
+        write_domain(domain, seed=1337, out_root=HERE)
+    tokenizer = build_char_tokenizer()
+    tokenizer.save_pretrained(os.path.join(HERE, "tokenizer"))
+    print(f"wrote {', '.join(DOMAINS)} ({N_TRAIN} train + teacher-context copies, {N_TEST} test each) "
+          f"and a {len(tokenizer)}-token character tokenizer to {HERE}")

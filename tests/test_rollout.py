@@ -1,0 +1,132 @@
+"""Rollout, advantages and the SDPO teacher context: the pieces between generation and the loss."""
+import torch
+
+from conftest import defaults
+
+import train
+
+
+def tiny_model(vocab=20, seed=0):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    torch.manual_seed(seed)
+    cfg = Qwen2Config(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True)
+    return Qwen2ForCausalLM(cfg).eval()
+
+
+def test_response_mask_keeps_first_eos_once_and_nothing_after():
+    eos = 2
+    tokens = torch.tensor([[5, 6, 2, 7, 2],   # EOS in the middle: keep it, drop the rest
+                           [2, 2, 2, 2, 2],   # EOS first: exactly one token
+                           [5, 6, 7, 8, 9]])  # no EOS: everything (truncated)
+    mask = train.response_mask(tokens, eos)
+    assert mask.tolist() == [[1, 1, 1, 0, 0], [1, 0, 0, 0, 0], [1, 1, 1, 1, 1]]
+    assert ((tokens == eos) & mask).sum(-1).tolist() == [1, 1, 0]  # the stop token is trained, once
+
+
+def test_generate_pad_equal_to_eos_still_keeps_the_stop_token():
+    model = tiny_model()
+    g = torch.Generator().manual_seed(0)
+    eos = 3
+    out = train.generate(model, [[1, 4, 5], [6]], group_size=4, max_new_tokens=12, temperature=3.0, top_p=1.0,
+                         eos_id=eos, pad_id=eos, generator=g)  # pad == eos, as with many tokenizers
+    assert len(out.response_ids) == 8 and out.prompt_ids[4] == [6]
+    for ids, logp, trunc in zip(out.response_ids, out.old_logprobs, out.truncated):
+        assert len(ids) == len(logp) and (logp <= 0).all()
+        assert ids.count(eos) == (0 if trunc else 1) and (trunc or ids[-1] == eos)
+    assert any(not t for t in out.truncated), "with temperature 3 over 20 tokens some row should stop"
+
+
+def test_generate_logprobs_match_a_full_forward_with_left_padding():
+    """The recorded sampling log-probs are what the training forward computes (ratio ≈ 1)."""
+    model = tiny_model()
+    g = torch.Generator().manual_seed(1)
+    prompts = [[1, 4, 5, 6, 7], [8, 9]]
+    out = train.generate(model, prompts, 2, 6, 0.7, 1.0, eos_id=19, pad_id=0, generator=g)
+    for p, r, old in zip(out.prompt_ids, out.response_ids, out.old_logprobs):
+        logits = model(torch.tensor([p + r])).logits[0, len(p) - 1:len(p) - 1 + len(r)] / 0.7
+        ref = torch.log_softmax(logits, -1).gather(-1, torch.tensor(r)[:, None]).squeeze(-1)
+        torch.testing.assert_close(old, ref, atol=1e-4, rtol=1e-4)
+
+
+def test_top_p_only_samples_from_the_nucleus():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]])).repeat(2000, 1)
+    g = torch.Generator().manual_seed(0)
+    tokens, _ = train.sample_top_p(logits, 1.0, 0.7, g)
+    assert set(tokens.tolist()) == {0, 1}  # 0.5 + 0.3 reaches 0.7; 2 and 3 never drawn
+    tokens, _ = train.sample_top_p(logits, 1.0, 1.0, g)
+    assert set(tokens.tolist()) == {0, 1, 2, 3}
+
+
+def test_group_advantages():
+    r = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0, 1.0])
+    adv = train.group_advantages(r, 4, norm_std=False)
+    assert adv.tolist() == [0.5, -0.5, -0.5, 0.5, 0, 0, 0, 0]  # all-equal group: no signal
+    adv = train.group_advantages(r, 4, norm_std=True)
+    std = torch.tensor([1.0, 0.0, 0.0, 1.0]).std()
+    torch.testing.assert_close(adv[:4], torch.tensor([0.5, -0.5, -0.5, 0.5]) / (std + 1e-6))
+    assert adv[4:].abs().max() == 0
+
+
+def test_grpo_weights_aggregation_modes():
+    lengths, keep = [2, 4, 3], [True, True, False]
+    tm = train.grpo_weights(lengths, keep, "token-mean", 8)
+    assert torch.allclose(torch.cat(tm).sum(), torch.tensor(1.0)) and tm[2].sum() == 0
+    sm = train.grpo_weights(lengths, keep, "seq-mean-token-mean", 8)
+    assert [round(w.sum().item(), 6) for w in sm] == [0.5, 0.5, 0.0]
+    dr = train.grpo_weights(lengths, keep, "seq-mean-token-sum-norm", 8)
+    assert torch.allclose(dr[1], torch.full((4,), 1 / 16))
+
+
+def test_density_mask_fraction_and_seeding():
+    g = torch.Generator().manual_seed(0)
+    masks = train.density_masks([1000] * 20, 0.25, g)
+    frac = torch.cat(masks).float().mean().item()
+    assert abs(frac - 0.25) < 4 * (0.25 * 0.75 / 20000) ** 0.5  # 4 sigma
+    again = train.density_masks([1000] * 20, 0.25, torch.Generator().manual_seed(0))
+    assert all(torch.equal(a, b) for a, b in zip(masks, again))
+    assert all(m.all() for m in train.density_masks([5, 7], 1.0, g))
+
+
+def test_pick_peer_first_success_never_self():
+    rewards = [0.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0]
+    assert [train.pick_peer(rewards, 4, i, 1.0, True) for i in range(4)] == [1, 2, 1, 1]
+    assert train.pick_peer(rewards, 4, 1, 1.0, False) == 1  # self allowed
+    assert all(train.pick_peer(rewards, 4, i, 1.0, True) is None for i in range(4, 8))
+
+
+def test_strip_thinking():
+    assert train.strip_thinking("<think>long\nthought</think>\\boxed{3}") == "\\boxed{3}"
+    assert train.strip_thinking("answer <think>never closed") == "answer"
+
+
+def test_teacher_context_text_for_a_hand_made_group():
+    cfg = dict(defaults(), use_feedback=True, feedback_only_without_solution=True)
+    tasks = [{"messages": [{"role": "system", "content": "S"}, {"role": "user", "content": "Q?"}], "answer": "4"}]
+    rollout = train.Rollout(prompt_ids=None, response_ids=[[1]] * 3, old_logprobs=None,
+                            texts=["<think>hm</think>\\boxed{4}", "\\boxed{5}", "\\boxed{6}"], truncated=None)
+    rewards, feedbacks = [1.0, 0.0, 0.0], [None, "Your final answer 5 is wrong.", "Your final answer 6 is wrong."]
+    ctx = train.teacher_contexts(tasks, rollout, rewards, feedbacks, 3, cfg)
+    assert ctx[0] is None  # the only success: no other peer, and no feedback on a success
+    assert ctx[1][0] == {"role": "system", "content": "S"}  # system message untouched
+    assert ctx[1][1]["content"] == ("Q?\n\nCorrect solution:\n\n\\boxed{4}\n\nCorrectly solve the original question.")
+    assert tasks[0]["messages"][1]["content"] == "Q?"  # the task itself is not mutated
+    # feedback always (not only without a solution)
+    cfg["feedback_only_without_solution"] = False
+    ctx = train.teacher_contexts(tasks, rollout, rewards, feedbacks, 3, cfg)
+    assert ctx[2][1]["content"] == ("Q?\n\nCorrect solution:\n\n\\boxed{4}\n\nThe following is feedback from your "
+                                    "unsuccessful earlier attempt:\n\nYour final answer 6 is wrong.\n\n"
+                                    "Correctly solve the original question.")
+    # no success in the group: feedback only, or nothing without use_feedback
+    ctx = train.teacher_contexts(tasks, rollout, [0.0] * 3, feedbacks, 3, cfg)
+    assert ctx[0] is None and "Correct solution" not in ctx[1][1]["content"] and "answer 5" in ctx[1][1]["content"]
+    cfg["use_feedback"] = False
+    assert train.teacher_contexts(tasks, rollout, [0.0] * 3, feedbacks, 3, cfg) == [None] * 3
+
+
+def test_ema_update_math():
+    a, b = tiny_model(seed=0), tiny_model(seed=1)
+    before = [p.clone() for p in a.parameters()]
+    train.ema_update(a, b, 0.25)
+    for p0, p, q in zip(before, a.parameters(), b.parameters()):
+        torch.testing.assert_close(p, 0.75 * p0 + 0.25 * q)

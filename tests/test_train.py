@@ -1,0 +1,113 @@
+"""The loop end to end on a tiny model: a step moves every weight, runs finish, resume is exact."""
+import json
+import os
+
+import pytest
+import torch
+
+from conftest import TINY, defaults, read_log, run_train
+
+import train
+
+
+def tiny_setup(toy_data, algo, **overrides):
+    cfg = dict(defaults(), algo=algo, tokenizer_path=os.path.join(toy_data, "toy", "tokenizer"), n_layer=1, n_head=2, n_embd=32, block_size=128, micro_batch_size=3,
+               topk=10, loss_chunk=7, **overrides)
+    model, tokenizer = train.load_model("scratch", cfg, torch.device("cpu"), torch.float32)
+    return cfg, model, tokenizer
+
+
+def hand_made_batch(tokenizer, with_teacher):
+    """Two groups' worth of responses with non-zero advantages and (optionally) teacher prompts."""
+    msgs = lambda q: [{"role": "user", "content": q}]  # noqa: E731
+    prompts = [train.prompt_ids(tokenizer, msgs(q)) for q in ("12+30", "12+30", "sort cab", "sort cab")]
+    responses = [tokenizer.encode(r, add_special_tokens=False) + [tokenizer.eos_token_id]
+                 for r in ("\\boxed{42}", "\\boxed{41}", "<answer>abc</answer>", "<answer>acb</answer>")]
+    lengths = [len(r) for r in responses]
+    teacher = [train.prompt_ids(tokenizer, msgs("12+30\n\nCorrect solution:\n\n\\boxed{42}"))] * 2 + \
+              [train.prompt_ids(tokenizer, msgs("sort cab\n\nCorrect solution:\n\n<answer>abc</answer>"))] * 2
+    total = sum(lengths)
+    return {"prompts": prompts, "responses": responses,
+            "old_logp": [torch.full((n,), -4.6) for n in lengths], "advantage": [0.5, -0.5, 0.5, -0.5],
+            "pg_weight": [torch.full((n,), 1.0 / total) for n in lengths],
+            "distill_weight": [torch.full((n,), 1.0 / total if with_teacher else 0.0) for n in lengths],
+            "teacher_prompts": teacher if with_teacher else [None] * 4}
+
+
+@pytest.mark.parametrize("algo,teacher", [("grpo", "ema"), ("sdpo", "live"), ("sft", "ema")])
+def test_one_step_changes_every_trainable_parameter(toy_data, algo, teacher):
+    cfg, model, tokenizer = tiny_setup(toy_data, algo, teacher=teacher, grpo_mix=0.0)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    batch = hand_made_batch(tokenizer, with_teacher=algo == "sdpo")
+    m = train.loss_backward(model, batch, cfg, torch.device("cpu"))
+    assert math_isfinite(m["loss"]) and m["loss"] != 0
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    train.optimizer_step(model, opt, 1.0)
+    unchanged = [n for n, p in model.named_parameters() if torch.equal(p, before[n])]
+    assert not unchanged, f"{algo}: a step left {unchanged} unchanged"
+
+
+def math_isfinite(x):
+    return x == x and abs(x) != float("inf")
+
+
+def test_all_masked_sdpo_batch_gives_zero_loss_without_nan(toy_data):
+    """No response has a peer: zero loss, a graph, finite zero gradients."""
+    cfg, model, tokenizer = tiny_setup(toy_data, "sdpo", teacher="live")
+    batch = hand_made_batch(tokenizer, with_teacher=False)
+    batch["pg_weight"] = [torch.zeros_like(w) for w in batch["pg_weight"]]
+    batch["distill_weight"][0] = torch.zeros(0)  # edge case: nothing at all to learn from
+    m = train.loss_backward(model, batch, cfg, torch.device("cpu"))
+    assert m["loss"] == 0 and m["distill_tokens"] == 0
+    assert all(p.grad is None or torch.isfinite(p.grad).all() for p in model.parameters())
+
+
+@pytest.mark.parametrize("algo", ["grpo", "sdpo"])
+def test_fused_and_naive_loss_agree_inside_train(toy_data, algo):
+    cfg, model, tokenizer = tiny_setup(toy_data, algo, teacher="live", kl_coef=0.1 if algo == "grpo" else 0.0,
+                                       temperature=0.8)
+    batch = hand_made_batch(tokenizer, with_teacher=algo == "sdpo")
+    initial = train.frozen_copy(model)
+    grads = []
+    for fused in (True, False):
+        model.zero_grad()
+        m = train.loss_backward(model, batch, dict(cfg, fused_loss=fused), torch.device("cpu"), initial_model=initial)
+        grads.append((m["loss"], [p.grad.clone() for p in model.parameters()]))
+    assert grads[0][0] == pytest.approx(grads[1][0], rel=1e-4, abs=1e-6)  # fp32 sums in another order
+    for a, b in zip(grads[0][1], grads[1][1]):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_tiny_end_to_end_sft_then_grpo_then_sdpo(toy_data, tmp_path):
+    base = tmp_path / "base"
+    run_train("config/toy_base.py", *TINY, f"--out_dir={base}", "--max_iters=3", "--device=cpu")
+    log = read_log(base)
+    assert [r["iter"] for r in log if "loss" in r] == [1, 2, 3]
+    assert os.path.exists(base / "ckpt" / "model.safetensors") and os.path.exists(base / "accuracy_matrix.json")
+    from transformers import AutoModelForCausalLM
+    AutoModelForCausalLM.from_pretrained(base / "ckpt")  # a plain HF folder
+    for cfgfile, extra in (("config/grpo_toy.py", []), ("config/sdpo_toy.py", ["--success_threshold=0.0"])):
+        out = tmp_path / cfgfile.split("/")[1][:-3]
+        proc = run_train(cfgfile, *TINY, *extra, f"--init_from={base}/ckpt", f"--out_dir={out}", "--max_iters=2")
+        rows = [r for r in read_log(out) if "loss" in r]
+        assert len(rows) == 2 and all(math_isfinite(r["loss"]) for r in rows), proc.stdout
+        assert "eval @ iter 0" in proc.stdout and "eval @ iter 2" in proc.stdout
+    sdpo = [r for r in read_log(tmp_path / "sdpo_toy") if "loss" in r]
+    assert all(r["peer_frac"] == 1.0 and r["distill_frac"] == 1.0 and r["div"] >= 0 for r in sdpo)
+
+
+def test_resume_continues_exactly(toy_data, tmp_path):
+    """3 iterations, checkpoint, 3 more == 6 uninterrupted (SDPO+EMA: model, optimizer, teacher, RNG)."""
+    common = ["config/sdpo_toy.py", *TINY, "--init_from=scratch", "--success_threshold=0.0", "--teacher=ema",
+              "--density=0.5", "--learning_rate=1e-2", "--device=cpu"]
+    run_train(*common, f"--out_dir={tmp_path / 'full'}", "--max_iters=6")
+    run_train(*common, f"--out_dir={tmp_path / 'split'}", "--max_iters=6", "--save_interval=3",
+              "--stages=toy/add:3")  # stop after 3 (a one-stage run of 3 iterations) ...
+    run_train(*common, f"--out_dir={tmp_path / 'split'}", "--max_iters=6", "--init_from=resume",
+              "--stages=toy/add:3,toy/add:3")  # ... then continue into a second stage of 3
+    full = [r for r in read_log(tmp_path / "full") if "loss" in r]
+    split = [r for r in read_log(tmp_path / "split") if "loss" in r]
+    assert [r["iter"] for r in split] == [1, 2, 3, 4, 5, 6]
+    for a, b in zip(full, split):
+        for key in ("loss", "reward", "resp_len", "div", "distill_frac", "grad_norm"):
+            assert a[key] == pytest.approx(b[key], rel=1e-6, abs=1e-9), (a["iter"], key, a[key], b[key])
