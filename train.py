@@ -49,6 +49,8 @@ Simplifications, on purpose:
     step size does not depend on how the batch is split.
   - Generation is plain HF forward calls with a DynamicCache; no vLLM, no paged attention.
 """
+import ast
+import cmath
 import contextlib
 import copy
 import functools
@@ -61,7 +63,9 @@ import re
 import shutil
 import sys
 import time
+from collections import Counter
 from dataclasses import dataclass
+from fractions import Fraction
 
 import torch
 import torch.nn.functional as F
@@ -237,7 +241,707 @@ def prompt_ids(tokenizer, messages, enable_thinking=False):
 
 
 # ----------------------------------------------------------------------------- rewards
-from _rewards import reward, extract_boxed  # noqa: E402  (TEMPORARY: inlined below before release)
+# Rewards: reward(kind, response, answer) -> (score in [0, 1], feedback str or None)
+#
+#   math   the last \boxed{...} (or \fbox{}), normalised and compared for equivalence
+#   mcq    the letter in the last <answer>...</answer> (else \boxed{X}, else "the answer is (X)")
+#   tool   ReAct "Action: name / Action Input: {json}": the multiset of action names and the
+#          merged Action Input dicts must equal the reference (as in the SDPO paper's ToolAlpaca)
+#   exact  the stripped content of the last <answer>...</answer> equals the answer (toy suite)
+#
+# feedback is None on success, else one sentence for the SDPO teacher prompt. It never reveals
+# the reference answer. The checkers never raise and take bounded time on any string: they only
+# look at the end of a response (TAIL_CHARS), compare answers structurally only when they are
+# short (MAX_ANSWER_CHARS), and decide symbolic equivalence by evaluating both sides at fixed
+# sample points with a tiny AST evaluator over complex floats (no eval, no sympy, no big-int
+# power towers). The common case (an exact or a plain-number answer) takes microseconds.
+# Standard library only.
+TAIL_CHARS = 20_000       # final answers sit at the end of a response: look no further back
+MAX_ANSWER_CHARS = 400    # longer "answers" are compared verbatim (minus spaces), not parsed
+TOOL_CHARS = 100_000      # tool calls: parse at most this many leading characters
+MAX_TOOL_CALLS = 64
+TRUNCATED_FEEDBACK = "The response was cut off before a final answer."
+
+
+def reward(kind, response, answer):
+    """(score, feedback) for one response; never raises."""
+    try:
+        response = "" if response is None else str(response)
+        answer = _reward_answer_str(answer)
+        if kind == "math":
+            return _math_reward(response, answer)
+        if kind == "exact":
+            return _exact_reward(response, answer)
+        if kind == "mcq":
+            return _mcq_reward(response, answer)
+        if kind == "tool":
+            return _tool_reward(response, answer)
+        return 0.0, f"could not check: unknown answer kind {kind!r}"
+    except Exception as e:  # RecursionError, MemoryError, ...: a checker must not stop training
+        return 0.0, f"could not check the response ({type(e).__name__})"
+
+
+def _reward_answer_str(answer):
+    if isinstance(answer, float) and answer.is_integer():
+        return str(int(answer))  # AMC answers come as 27.0
+    if isinstance(answer, (list, dict)):
+        return json.dumps(answer)
+    return "" if answer is None else str(answer)
+
+
+def _clip_text(s, n=80):
+    s = " ".join(s.split())
+    return s if len(s) <= n else s[:n] + "..."
+
+
+# --- locating the final answer -----------------------------------------------------------------
+
+_BRACE_RE = re.compile(r"[{}]")
+_BARE_ARG_RE = re.compile(r"[^\s$]+")
+
+
+def _match_brace(s, i):
+    """Index of the '}' closing the '{' at s[i], or None (unbalanced). Linear time."""
+    depth = 0
+    for m in _BRACE_RE.finditer(s, i):
+        depth += 1 if m.group() == "{" else -1
+        if depth == 0:
+            return m.start()
+    return None
+
+
+def _last_boxed(text):
+    """(content of the last \\boxed{}/\\fbox{}, status): status is 'ok', 'none' or 'unclosed'."""
+    tail = text[-TAIL_CHARS:]
+    start, cmd = max((tail.rfind(c), c) for c in ("\\boxed", "\\fbox", "\\framebox"))
+    if start < 0:
+        return None, "none"
+    i = start + len(cmd)
+    while i < len(tail) and tail[i] == " ":
+        i += 1
+    if i < len(tail) and tail[i] == "{":
+        end = _match_brace(tail, i)
+        return (None, "unclosed") if end is None else (tail[i + 1:end], "ok")
+    m = _BARE_ARG_RE.match(tail, i)  # the "\boxed 5" form
+    return (m.group(), "ok") if m else (None, "unclosed")
+
+
+def extract_boxed(text):
+    """Content of the last \\boxed{...} (or \\fbox{...}) in text, or None."""
+    try:
+        return _last_boxed(str(text))[0]
+    except Exception:
+        return None
+
+
+def _last_tag(text, tag="answer"):
+    """(stripped content of the last <tag>...</tag>, status 'ok' | 'none' | 'unclosed')."""
+    tail = text[-TAIL_CHARS:]
+    spellings = (tag, tag.capitalize(), tag.upper())  # not tail.lower(): it can change the length
+    i = max(tail.rfind(f"<{t}>") for t in spellings)
+    if i < 0:
+        return None, "none"
+    ends = [j for j in (tail.find(f"</{t}>", i) for t in spellings) if j >= 0]
+    if not ends:
+        return None, "unclosed"
+    return tail[i + len(tag) + 2:min(ends)].strip(), "ok"
+
+
+# --- math ----------------------------------------------------------------------------------------
+
+def _math_reward(response, answer):
+    pred, status = _last_boxed(response)
+    if status == "unclosed":
+        return 0.0, TRUNCATED_FEEDBACK
+    if not pred or not pred.strip():
+        return 0.0, "No final answer found: put it in \\boxed{}."
+    if math_equal(pred, answer):
+        return 1.0, None
+    return 0.0, f"Your final answer {_clip_text(pred)} is wrong."
+
+
+_REWRITES = {"\u2212": "-", "\u2013": "-", "\u03c0": "\\pi", "\u221a": "\\sqrt", "\u00d7": "\\times",
+            "\u00b7": "\\cdot", "\u00f7": "\\div", "\u221e": "\\infty", "\u00b0": "", "\u00a0": " ",
+            "\u222a": "\\cup", "\\lbrace": "\\{", "\\rbrace": "\\}", "\\dfrac": "\\frac",
+            "\\tfrac": "\\frac", "\\displaystyle": "", "\\left": "", "\\right": "",
+            "^{\\circ}": "", "^\\circ": "", "\\circ": "", "\\degree": "", "\\%": "", "%": "",
+            "\\$": "", "$": ""}
+_SPACING_RE = re.compile(r"\\[!,;:>]|\\q?quad(?![a-zA-Z])|~|(?<!\\)\\ |\n|\t")
+_TEXT_CMD_RE = re.compile(r"\\(?:text|textbf|textit|textrm|textsf|mathrm|mathbf|mathit|mathsf|"
+                          r"mbox|boldsymbol|bm|operatorname)\s*\{")
+_UNITS = (r"dollars?|cents?|units?|degrees?|radians?|cm|mm|km|meters?|metres?|inch(?:es)?|feet|"
+          r"foot|ft|yards?|miles?|hours?|hrs?|minutes?|mins?|seconds?|secs?|days?|weeks?|months?|"
+          r"years?|mph|kg|grams?|pounds?|lbs?|ounces?|oz|liters?|litres?|ml|gallons?|people|"
+          r"persons?|students?|times|points?|percent")
+# units after a number: "5.4 \text{ cents}", "864 \mbox{ inches}^2", "18 dollars", "15 cm^2"
+_UNIT_TEXT_RE = re.compile(r"\\(?:text|mbox|mathrm|textrm)\{\s*[a-zA-Z][a-zA-Z .]*\}(?:\^\{?[23]\}?)?$")
+_UNIT_WORD_RE = re.compile(rf"\s(?:(?:square|sq\.?|cubic)\s+)?(?:{_UNITS})\.?(?:\^\{{?[23]\}}?)?$")
+_SPACE_RE = re.compile(r" (?![a-zA-Z])|(?<![a-zA-Z]) ")   # keep a space only between two letters
+_LHS_RE = re.compile(r"^(?:[a-zA-Z]|\\[a-zA-Z]+)(?:_\{?\w+\}?)?(?:\([a-zA-Z]\))?(?:=|\\in(?![a-zA-Z]))")
+_THOUSANDS_RE = re.compile(r"[+-]?\d{1,3}(?:,\d{3})+(?:\.\d+)?")
+_CMD_RE = re.compile(r"\\[a-zA-Z]+")
+_WORD_RE = re.compile(r"[a-zA-Z]{2,}")
+
+
+def normalize_math_answer(s):
+    """A canonical string for a final answer (with or without \\boxed): the cheap part of
+    equivalence. Strips $, spacing, \\left/\\right, \\text{}, units, degrees, percent,
+    "x =", thousands separators, redundant parentheses; fixes \\frac12 and \\sqrt2."""
+    s = "" if s is None else str(s)
+    if len(s) > MAX_ANSWER_CHARS:
+        return "".join(s.split())
+    try:
+        return _normalize_answer(s)
+    except Exception:
+        return "".join(s.split())
+
+
+@functools.lru_cache(maxsize=1 << 14)   # reference answers are normalised over and over
+def _normalize_answer(s):
+    s = s.strip()
+    if "box" in s:  # \boxed, \fbox, \framebox
+        inner = extract_boxed(s)
+        if inner is not None:
+            s = inner
+    for k, v in _REWRITES.items():
+        if k in s:
+            s = s.replace(k, v)
+    s = _SPACING_RE.sub(" ", s).strip()
+    for rx in (_UNIT_TEXT_RE, _UNIT_WORD_RE):  # units only after a number: "5 \text{ cm}", not "\text{east}"
+        m = rx.search(s)
+        if m and any(c.isdigit() for c in s[:m.start()]):
+            s = s[:m.start()].strip()
+    s = _unwrap_cmds(s, _TEXT_CMD_RE)
+    s = _SPACE_RE.sub("", " ".join(s.split()))
+    s = _fix_shorthand(s)
+    s = re.sub(r"\^\{(\w)\}", r"^\1", s)
+    s = re.sub(r"_\{(\w+)\}", r"_\1", s)
+    s = s.rstrip(".").strip()
+    s = _strip_lhs(s)
+    if _THOUSANDS_RE.fullmatch(s):
+        s = s.replace(",", "")
+    return _unparen(s)
+
+
+def _unwrap_cmds(s, rx):
+    """\\text{X} -> X for every command matched by rx."""
+    i = 0
+    while True:
+        m = rx.search(s, i)
+        if not m:
+            return s
+        end = _match_brace(s, m.end() - 1)
+        if end is None:
+            return s
+        s = s[:m.start()] + s[m.end():end] + s[end + 1:]
+        i = m.start()
+
+
+def _read_arg(s, i):
+    """One LaTeX argument at s[i:]: a {group}, a \\command or a single character."""
+    while i < len(s) and s[i] == " ":
+        i += 1
+    if i >= len(s):
+        raise ValueError("missing argument")
+    if s[i] == "{":
+        end = _match_brace(s, i)
+        if end is None:
+            raise ValueError("unbalanced")
+        return s[i + 1:end], end + 1
+    m = _CMD_RE.match(s, i)
+    if m:
+        return m.group(), m.end()
+    return s[i], i + 1
+
+
+def _fix_shorthand(s):
+    """\\frac12 -> \\frac{1}{2}, \\frac9{19} -> \\frac{9}{19}, \\sqrt2 -> \\sqrt{2}."""
+    if "\\frac" not in s and "\\sqrt" not in s:
+        return s
+    try:
+        out, i = [], 0
+        while i < len(s):
+            if s.startswith("\\frac", i) and not s[i + 5:i + 6].isalpha():
+                a, i = _read_arg(s, i + 5)
+                b, i = _read_arg(s, i)
+                out.append("\\frac{%s}{%s}" % (_fix_shorthand(a), _fix_shorthand(b)))
+            elif s.startswith("\\sqrt", i) and not s[i + 5:i + 6].isalpha():
+                i, index = i + 5, ""
+                if s[i:i + 1] == "[":
+                    close = s.index("]", i)
+                    index, i = s[i:close + 1], close + 1
+                a, i = _read_arg(s, i)
+                out.append("\\sqrt%s{%s}" % (index, _fix_shorthand(a)))
+            else:
+                out.append(s[i])
+                i += 1
+        return "".join(out)
+    except ValueError:
+        return s
+
+
+def _strip_lhs(s):
+    """'x=5' -> '5', 'f(x)=x^2' -> 'x^2', 'x\\in[-2,7]' -> '[-2,7]' (not '5x-7y=0')."""
+    m = _LHS_RE.match(s)
+    if m and m.end() < len(s) and "=" not in s[m.end():]:
+        return s[m.end():]
+    return s
+
+
+def _close_of(s, i):
+    """Index of the bracket closing the one at s[i] (any of ( [ { vs ) ] }), or None."""
+    depth = 0
+    for j in range(i, len(s)):
+        if s[j] in "([{":
+            depth += 1
+        elif s[j] in ")]}":
+            depth -= 1
+            if depth == 0:
+                return j
+    return None
+
+
+def _unparen(s):
+    """'(5)' -> '5', '\\text{(C)}' -> 'C'; a tuple '(1,2)' or a product '(a+1)(b+2)' stays."""
+    while len(s) >= 2 and s[0] == "(" and _close_of(s, 0) == len(s) - 1 and len(_split_top(s[1:-1], ",")) == 1:
+        s = s[1:-1]
+    return s
+
+
+def _split_top(s, sep):
+    """Split s at sep where it is outside every bracket."""
+    parts, depth, start, i = [], 0, 0, 0
+    while i < len(s):
+        c = s[i]
+        if c in "([{":
+            depth += 1
+        elif c in ")]}":
+            depth -= 1
+        elif depth == 0 and s.startswith(sep, i):
+            parts.append(s[start:i])
+            i += len(sep)
+            start = i
+            continue
+        i += 1
+    parts.append(s[start:])
+    return parts
+
+
+def _expand_pm(items):
+    """'1\\pm\\sqrt{19}' -> ['1+\\sqrt{19}', '1-\\sqrt{19}']."""
+    out = []
+    for x in items:
+        parts = _split_top(x, "\\pm")
+        out.extend([parts[0] + "+" + parts[1], parts[0] + "-" + parts[1]] if len(parts) == 2 else [x])
+    return [_unparen(_strip_lhs(x)) for x in out]
+
+
+_MATRIX_RE = re.compile(r"\\begin\{([pbvBV]?matrix)\}(.*)\\end\{\1\}", re.S)
+
+
+def _math_structure(s):
+    """(kind, elements): 'atom', a tuple/interval by its brackets '()' '(]' '[)' '[]', an
+    unordered 'list' / 'set' / 'union', a column vector 'vec' or 'matrix<r>x<c>'."""
+    parts = _split_top(s, "\\cup")
+    if len(parts) > 1:
+        return "union", parts
+    m = _MATRIX_RE.fullmatch(s)
+    if m:
+        rows = [r.split("&") for r in m.group(2).split("\\\\") if r.strip()]
+        if rows and all(len(r) == 1 for r in rows):
+            return "vec", [r[0] for r in rows]
+        return f"matrix{len(rows)}x{len(rows[0]) if rows else 0}", [c for r in rows for c in r]
+    if s.startswith("\\{") and s.endswith("\\}"):
+        return "set", _expand_pm(_split_top(s[2:-2], ","))
+    if s[:1] in "([" and s[-1:] in ")]" and _close_of(s, 0) == len(s) - 1:
+        items = _split_top(s[1:-1], ",")
+        if len(items) > 1:
+            return s[0] + s[-1], [_unparen(_strip_lhs(x)) for x in items]
+    items = _expand_pm(_split_top(s, ","))
+    return ("list", items) if len(items) > 1 else ("atom", [s])
+
+
+_UNORDERED = ("list", "set", "union")
+_SAME_KIND = ({"list", "set"}, {"()", "vec"})
+_PLAIN_NUMBER_RE = re.compile(r"[+-]?(?:\d+\.?\d*|\.\d+)|[+-]?\d+/\d+")
+_FRAC_RE = re.compile(r"([+-]?)(\d*)\\frac\{([+-]?\d+(?:\.\d+)?)\}\{(\d+(?:\.\d+)?)\}")
+
+
+def _as_fraction(s):
+    """An exact rational for a plain number: 27, 27.0, .5, 3/4, \\frac{3}{4}, -\\frac34, 1\\frac{4}{5}."""
+    try:
+        if _PLAIN_NUMBER_RE.fullmatch(s):
+            return Fraction(s)
+        m = _FRAC_RE.fullmatch(s)
+        if m:
+            sign, whole, a, b = m.groups()
+            v = Fraction(a) / Fraction(b) + (int(whole) if whole else 0)  # 1\frac{4}{5} is a mixed number
+            return -v if sign == "-" else v
+    except (ValueError, ZeroDivisionError):
+        pass
+    return None
+
+
+def math_equal(pred, ref):
+    """True when two final answers (either may be wrapped in \\boxed) are equivalent."""
+    try:
+        pred, ref = str(pred).strip(), str(ref).strip()
+        if pred == ref and pred:
+            return True
+        a, b = normalize_math_answer(pred), normalize_math_answer(ref)
+        if not a or not b:
+            return False
+        if len(a) > MAX_ANSWER_CHARS or len(b) > MAX_ANSWER_CHARS:
+            return a == b
+        return _math_equal_norm(a, b, 0)
+    except Exception:
+        return False
+
+
+def _math_equal_norm(a, b, depth):
+    if a == b:
+        return True
+    if depth > 3:
+        return False
+    fa, fb = _as_fraction(a), _as_fraction(b)
+    if fa is not None and fb is not None:
+        return fa == fb  # exact: 0.5 == 1/2, 27.0 == 27, but 0.33 != 1/3
+    ka, ea = _math_structure(a)
+    kb, eb = _math_structure(b)
+    if ka != "atom" or kb != "atom":
+        if not (ka == kb or any({ka, kb} <= k for k in _SAME_KIND)) or len(ea) != len(eb) or len(ea) > 32:
+            return False
+        if ka in _UNORDERED:  # solutions "1,-2" == "-2,1": greedy matching
+            left = list(eb)
+            for x in ea:
+                j = next((j for j, y in enumerate(left) if _math_equal_norm(x, y, depth + 1)), None)
+                if j is None:
+                    return False
+                del left[j]
+            return True
+        return all(_math_equal_norm(x, y, depth + 1) for x, y in zip(ea, eb))
+    if _is_word(a) or _is_word(b):  # "\text{Evelyn}": compare as text, never as e*v*e*l*y*n
+        return a.lower() == b.lower()
+    return _numeric_equal(a, b)
+
+
+def _is_word(s):
+    return _WORD_RE.search(_CMD_RE.sub(" ", s)) is not None
+
+
+# Symbolic equivalence: translate the (normalised) LaTeX into a small Python expression, parse it
+# with ast (never eval) and evaluate both sides at a few fixed points with complex arithmetic.
+# Overflow or a domain error at a point just skips that point.
+_MATH_FUNCS = {"sin": cmath.sin, "cos": cmath.cos, "tan": cmath.tan, "cot": lambda z: 1 / cmath.tan(z),
+               "sec": lambda z: 1 / cmath.cos(z), "csc": lambda z: 1 / cmath.sin(z), "arcsin": cmath.asin,
+               "arccos": cmath.acos, "arctan": cmath.atan, "sinh": cmath.sinh, "cosh": cmath.cosh,
+               "tanh": cmath.tanh, "ln": cmath.log, "log": cmath.log, "exp": cmath.exp, "sqrt": cmath.sqrt}
+_GREEK = {"alpha", "beta", "gamma", "delta", "epsilon", "varepsilon", "zeta", "eta", "theta", "kappa",
+          "lambda", "mu", "nu", "xi", "rho", "sigma", "tau", "phi", "varphi", "chi", "psi", "omega"}
+_SAMPLE_POINTS = (0.5772156649, 1.4142135623, 0.8346268416, 1.2020569031, 0.3183098861, 1.6180339887,
+                  0.9159655941, 0.6931471805, 1.7320508075, 0.2614972128, 1.3063778838)
+_DIGITS_RE = re.compile(r"\d+\.?\d*|\.\d+")
+
+
+def _latex_to_py(s):
+    """Python expression text for a LaTeX expression, or None when out of scope."""
+    out, i, prev = [], 0, False  # prev: the last token ends an operand (juxtaposition = product)
+
+    def operand(tok):
+        nonlocal prev
+        if prev:
+            out.append("*")
+        out.append(tok)
+        prev = True
+
+    while i < len(s):
+        c = s[i]
+        if c in "0123456789" or (c == "." and s[i + 1:i + 2].isdigit()):
+            m = _DIGITS_RE.match(s, i)
+            operand(repr(float(m.group())))
+            i = m.end()
+        elif c.isalpha():
+            operand({"e": "c_e", "i": "c_i"}.get(c, "v_" + c))
+            i += 1
+        elif c == "\\":
+            m = _CMD_RE.match(s, i)
+            if not m:
+                return None
+            name, i = m.group()[1:], m.end()
+            if name == "frac":
+                a, i = _read_arg(s, i)
+                b, i = _read_arg(s, i)
+                pa, pb = _latex_to_py(a), _latex_to_py(b)
+                if pa is None or pb is None:
+                    return None
+                operand(f"(({pa})/({pb}))")
+            elif name == "sqrt":
+                index = None
+                if s[i:i + 1] == "[":
+                    close = s.index("]", i)
+                    index, i = _latex_to_py(s[i + 1:close]), close + 1
+                a, i = _read_arg(s, i)
+                pa = _latex_to_py(a)
+                if pa is None:
+                    return None
+                operand(f"f_sqrt({pa})" if index is None else f"(({pa})**(1/({index})))")
+            elif name in ("cdot", "times", "div"):
+                out.append("/" if name == "div" else "*")
+                prev = False
+            elif name == "pi":
+                operand("c_pi")
+            elif name in _GREEK:
+                operand("v_" + name)
+            elif name in _MATH_FUNCS:
+                while s[i:i + 1] == " ":
+                    i += 1
+                if s[i:i + 1] == "(":
+                    operand("f_" + name)
+                    prev = False  # the "(" that follows is its argument list
+                else:
+                    a, i = _read_arg(s, i)
+                    pa = _latex_to_py(a)
+                    if pa is None:
+                        return None
+                    operand(f"f_{name}({pa})")
+            else:
+                return None
+        elif c in "+-*/":
+            out.append(c)
+            prev, i = False, i + 1
+        elif c == "^":
+            a, i = _read_arg(s, i + 1)
+            pa = _latex_to_py(a)
+            if pa is None or not out:
+                return None
+            out.append(f"**({pa})")
+            prev = True
+        elif c == "{":
+            a, i = _read_arg(s, i)
+            pa = _latex_to_py(a)
+            if pa is None:
+                return None
+            operand(f"({pa})")
+        elif c == "(":
+            operand("(")
+            prev, i = False, i + 1
+        elif c == ")":
+            out.append(")")
+            prev, i = True, i + 1
+        elif c == " ":
+            i += 1
+        else:
+            return None
+    return " ".join(out)
+
+
+def _eval_expr(node, env):
+    t = type(node)
+    if t is ast.Constant and type(node.value) in (int, float):
+        return complex(node.value)
+    if t is ast.Name:
+        return env[node.id]
+    if t is ast.UnaryOp and type(node.op) in (ast.USub, ast.UAdd):
+        v = _eval_expr(node.operand, env)
+        return -v if type(node.op) is ast.USub else v
+    if t is ast.BinOp:
+        a, b, op = _eval_expr(node.left, env), _eval_expr(node.right, env), type(node.op)
+        if op is ast.Add:
+            return a + b
+        if op is ast.Sub:
+            return a - b
+        if op is ast.Mult:
+            return a * b
+        if op is ast.Div:
+            return a / b
+        if op is ast.Pow:
+            return a ** b  # complex floats: OverflowError, never a huge integer
+    if t is ast.Call and type(node.func) is ast.Name and node.func.id[2:] in _MATH_FUNCS and len(node.args) == 1:
+        return _MATH_FUNCS[node.func.id[2:]](_eval_expr(node.args[0], env))
+    raise ValueError("unsupported expression")
+
+
+def _compile_expr(s):
+    """(ast, variable names) for a side of an (in)equation, or None."""
+    py = _latex_to_py(s)
+    if not py:
+        return None
+    tree = ast.parse(py, mode="eval").body
+    return tree, {n.id for n in ast.walk(tree) if type(n) is ast.Name and n.id.startswith("v_")}
+
+
+def _sample_values(trees, names):
+    """Each tree evaluated at 3 fixed points; None where any evaluation failed."""
+    names = sorted(names)
+    if len(names) > len(_SAMPLE_POINTS):
+        return None
+    rows = []
+    for p in range(3):
+        env = {"c_pi": cmath.pi, "c_e": cmath.e, "c_i": 1j}
+        env.update({n: _SAMPLE_POINTS[(k + 4 * p) % len(_SAMPLE_POINTS)] + 0.1 * p for k, n in enumerate(names)})
+        try:
+            vals = [_eval_expr(t, env) for t in trees]
+            rows.append(vals if all(cmath.isfinite(v) for v in vals) else None)
+        except (ArithmeticError, ValueError, KeyError, TypeError):
+            rows.append(None)
+    return rows
+
+
+def _close_num(x, y):
+    return abs(x - y) <= 1e-9 * max(abs(x), abs(y)) + 1e-12
+
+
+@functools.lru_cache(maxsize=1 << 14)
+def _numeric_equal(a, b):
+    try:
+        sides_a, sides_b = _split_top(a, "="), _split_top(b, "=")
+        if len(sides_a) != len(sides_b) or len(sides_a) > 2:
+            return False
+        parsed = [_compile_expr(x) for x in sides_a + sides_b]
+        if any(p is None for p in parsed):
+            return False
+        names = set().union(*(p[1] for p in parsed))
+        rows = [r for r in _sample_values([p[0] for p in parsed], names) or [] if r is not None]
+        if len(rows) < 2:
+            return False
+        if len(sides_a) == 1:
+            return all(_close_num(r[0], r[1]) for r in rows)
+        # equations: equivalent when lhs - rhs are proportional ("5x-7y=3" == "14y-10x=-6")
+        diffs = [(r[0] - r[1], r[2] - r[3]) for r in rows]
+        if any(abs(d2) < 1e-12 for _, d2 in diffs):
+            return all(abs(d1) < 1e-12 and abs(d2) < 1e-12 for d1, d2 in diffs)
+        ratios = [d1 / d2 for d1, d2 in diffs]
+        return abs(ratios[0]) > 1e-12 and all(_close_num(q, ratios[0]) for q in ratios)
+    except (ValueError, SyntaxError, RecursionError, MemoryError, ArithmeticError, TypeError):
+        return False
+
+
+# --- multiple choice -----------------------------------------------------------------------------
+
+_LETTER_RE = re.compile(r"[\s(\[{*]*([A-Za-z])[\s)\]}*.:]*")
+_ANSWER_IS_RE = re.compile(r"(?i:answer)[\s*:]*(?:(?i:is)[\s*:]*)?\(?([A-Z])\)?(?![A-Za-z0-9])")
+
+
+def _mcq_letter(s):
+    m = _LETTER_RE.fullmatch(_unwrap_cmds(s.strip(), _TEXT_CMD_RE)) if s is not None and len(s) < 100 else None
+    return m.group(1).upper() if m else None
+
+
+def _mcq_reward(response, answer):
+    ref = _mcq_letter(answer) or answer.strip().upper()
+    content, status = _last_tag(response)
+    if status == "unclosed":
+        return 0.0, TRUNCATED_FEEDBACK
+    if status == "ok":
+        got = _mcq_letter(content)
+        if got is None:
+            return 0.0, "The answer must be a single letter inside <answer></answer>."
+    else:
+        boxed, status = _last_boxed(response)
+        if status == "unclosed":
+            return 0.0, TRUNCATED_FEEDBACK
+        got = _mcq_letter(boxed) if boxed is not None else None
+        if got is None:
+            m = None
+            for m in _ANSWER_IS_RE.finditer(response[-3000:]):
+                pass
+            got = m.group(1) if m else None
+        if got is None:
+            return 0.0, "No final answer found: put the letter of your choice inside <answer></answer>."
+    if got == ref:
+        return 1.0, None
+    return 0.0, f"Your final answer {got} is wrong."
+
+
+# --- exact (toy suite) ---------------------------------------------------------------------------
+
+def _exact_reward(response, answer):
+    got, status = _last_tag(response)
+    if status == "unclosed":
+        return 0.0, TRUNCATED_FEEDBACK
+    if status == "none":
+        return 0.0, "No final answer found: put it inside <answer></answer>."
+    if got == answer.strip():
+        return 1.0, None
+    if not got:
+        return 0.0, "The <answer></answer> tags are empty."
+    return 0.0, f"Your final answer {_clip_text(got)} is wrong."
+
+
+# --- tool use (ReAct) ----------------------------------------------------------------------------
+
+_ACTION_RE = re.compile(r"^[ \t*]*Action[ \t*]*:[ \t*]*(.*)$", re.M)  # "Action Input:" does not match
+_INPUT_RE = re.compile(r"Action[ \t*]*Input[ \t*]*:[ \t*]*\s*")
+_JSON_DECODER = json.JSONDecoder()
+
+
+def _json_dict(value):
+    if isinstance(value, str):  # the reference stores Action_Input as a JSON string
+        try:
+            value = json.loads(value) if value.strip() else {}
+        except ValueError:
+            return {}
+    return value if isinstance(value, dict) else {}
+
+
+def _parse_tool_calls(text):
+    """([(action name, input dict)], truncated): every Action with its Action Input."""
+    text = text[:TOOL_CHARS]
+    matches = []
+    for m in _ACTION_RE.finditer(text):
+        matches.append(m)
+        if len(matches) >= MAX_TOOL_CALLS:
+            break
+    calls, truncated = [], False
+    for k, m in enumerate(matches):
+        name = m.group(1).split("Action Input")[0].strip().strip("`*\"' ")
+        end = matches[k + 1].start() if k + 1 < len(matches) else len(text)
+        im = _INPUT_RE.search(text, m.start(), end)
+        args = {}
+        if im:
+            try:
+                args = _json_dict(_JSON_DECODER.raw_decode(text, im.end())[0])
+            except (ValueError, RecursionError):
+                seg = text[im.end():end]
+                truncated = k == len(matches) - 1 and seg.count("{") > seg.count("}")
+        calls.append((name, args))
+    return calls, truncated
+
+
+@functools.lru_cache(maxsize=4096)
+def _tool_reference(answer):
+    ref = json.loads(answer)
+    ref = [ref] if isinstance(ref, dict) else ref
+    names, merged = [], {}
+    for item in ref:
+        names.append(str(item.get("Action", "")).strip())
+        merged.update(_json_dict(item.get("Action_Input", item.get("Action Input", {}))))
+    return tuple(names), json.dumps(merged, sort_keys=True)
+
+
+def _tool_reward(response, answer):
+    ref_names, ref_merged = _tool_reference(answer)
+    ref_merged = json.loads(ref_merged)
+    calls, truncated = _parse_tool_calls(response)
+    names = [n for n, _ in calls]
+    merged = {}
+    for _, args in calls:
+        merged.update(args)
+    if calls and Counter(names) == Counter(ref_names) and merged == ref_merged:
+        return 1.0, None
+    if truncated:
+        return 0.0, TRUNCATED_FEEDBACK
+    if not calls:
+        return 0.0, "No tool call found: write 'Action: <tool name>' then 'Action Input: <JSON object>'."
+    if Counter(names) != Counter(ref_names):
+        called = _clip_text(", ".join(names), 200)
+        return 0.0, f"Action names do not match the tool calls the question needs (you called: {called})."
+    missing = sorted(set(ref_merged) - set(merged))
+    extra = sorted(set(merged) - set(ref_merged))
+    wrong = sorted(k for k in set(merged) & set(ref_merged) if merged[k] != ref_merged[k])
+    parts = [f"{what}: {', '.join(map(str, keys))}" for what, keys in
+             (("missing arguments", missing), ("unexpected arguments", extra), ("wrong values for", wrong)) if keys]
+    return 0.0, _clip_text("The Action Input arguments do not match (" + "; ".join(parts) + ").", 300)
 
 # ----------------------------------------------------------------------------- rollout
 @dataclass
@@ -419,12 +1123,14 @@ def make_loss_fn(tb, algo, clip_low, clip_high, kl_coef, is_clip, distill):
     return loss_fn
 
 
-def grpo_weights(n_tokens, keep, loss_agg, max_new_tokens):
+def grpo_weights(n_tokens, keep, loss_agg, max_new_tokens, global_sum=list):
     """Per-token aggregation weights of the GRPO term over the whole step.
 
-    n_tokens: response length of each sequence; keep: bool per sequence (has signal)."""
+    n_tokens: response length of each sequence; keep: bool per sequence (has signal).
+    global_sum adds a list of numbers elementwise over ranks (in one process: `list`, a no-op)."""
     kept = [n for n, k in zip(n_tokens, keep) if k]
-    total, n_seq = max(sum(kept), 1), max(len(kept), 1)
+    total, n_seq = global_sum([sum(kept), len(kept)])
+    total, n_seq = max(total, 1), max(n_seq, 1)
     weights = []
     for n, k in zip(n_tokens, keep):
         if not k:
@@ -482,16 +1188,12 @@ def mix_weights(target_model, other_model, weight):
     ema_update(target_model, other_model, weight)
 
 
-def build_char_tokenizer_path_check(path):
-    if not os.path.exists(os.path.join(path, "tokenizer_config.json")):
-        raise UserError(f"{path} has no tokenizer: run `python data/toy/prepare.py` first")
-
-
 def load_model(init, cfg, dev, torch_dtype):
     """Return (model, tokenizer) for 'scratch', or an HF folder / hub id."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
     if init == "scratch":
-        build_char_tokenizer_path_check(cfg["tokenizer_path"])
+        if not os.path.exists(os.path.join(cfg["tokenizer_path"], "tokenizer_config.json")):
+            raise UserError(f"{cfg['tokenizer_path']} has no tokenizer: run `python data/toy/prepare.py` first")
         tokenizer = AutoTokenizer.from_pretrained(cfg["tokenizer_path"])
         torch.manual_seed(cfg["seed"])
         config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=cfg["n_embd"], intermediate_size=4 * cfg["n_embd"],
@@ -503,8 +1205,11 @@ def load_model(init, cfg, dev, torch_dtype):
     else:
         if os.path.isdir(init) and not os.path.exists(os.path.join(init, "config.json")):
             raise UserError(f"{init} is not a model folder (no config.json): point init_from at a checkpoint folder")
-        tokenizer = AutoTokenizer.from_pretrained(init)
-        model = AutoModelForCausalLM.from_pretrained(init, dtype=torch_dtype)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(init)
+            model = AutoModelForCausalLM.from_pretrained(init, dtype=torch_dtype)
+        except OSError as e:  # not a folder, and not reachable on the hub
+            raise UserError(f"cannot load model {init!r}: {str(e).splitlines()[0]}") from None
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return model.to(dev, torch_dtype), tokenizer
@@ -633,7 +1338,8 @@ def loss_backward(model, batch, cfg, dev, teacher_model=None, initial_model=None
     use = [i for i in range(len(batch["responses"]))
            if batch["pg_weight"][i].any() or batch["distill_weight"][i].any()]
     use.sort(key=lambda i: len(batch["prompts"][i]) + len(batch["responses"][i]), reverse=True)  # less padding
-    metrics = {"loss": 0.0, "div_sum": 0.0, "teacher_minus_student_sum": 0.0, "distill_tokens": 0}
+    metrics = {"loss": 0.0, "div_sum": 0.0, "teacher_minus_student_sum": 0.0, "distill_tokens": 0,
+               "reference_s": 0.0, "teacher_s": 0.0, "student_s": 0.0}
     loss_impl = functools.partial(fused_token_loss, chunk_size=cfg["loss_chunk"]) if cfg["fused_loss"] else naive_token_loss
     weight = lm_head_weight(model)
     for start in range(0, len(use), cfg["micro_batch_size"]):
@@ -651,16 +1357,19 @@ def loss_backward(model, batch, cfg, dev, teacher_model=None, initial_model=None
             distill_weight=torch.cat(pick("distill_weight")).to(dev),
         )
         parts, div_rows = None, None
+        t0 = time.time()
         with autocast():
             if cfg["kl_coef"] > 0 and cfg["algo"] != "sft":
                 with torch.no_grad():
                     h0 = response_hidden(initial_model, prompts, responses, dev)
                     tb.ref_logp = sampled_logprobs(h0, lm_head_weight(initial_model), tokens, cfg["temperature"], cfg["loss_chunk"])
+            t1 = time.time()
             div_rows = tb.distill_weight > 0
-            if cfg["algo"] == "sdpo" and div_rows.any():
+            if cfg["algo"] == "sdpo" and div_rows.any():  # teacher forwards only for samples with a signal
                 tprompts = [t if w.any() else None for t, w in zip(pick("teacher_prompts"), pick("distill_weight"))]
                 parts = teacher_parts(cfg["teacher"], cfg["teacher_rate"], model, teacher_model, initial_model,
                                       tprompts, responses, dev)
+            t2 = time.time()
             h = response_hidden(model, prompts, responses, dev)
         temperature = 1.0 if cfg["algo"] == "sft" else cfg["temperature"]
         loss_fn = make_loss_fn(tb, cfg["algo"], cfg["clip_low"], cfg["clip_high"], cfg["kl_coef"], cfg["is_clip"], cfg["distill"])
@@ -668,6 +1377,9 @@ def loss_backward(model, batch, cfg, dev, teacher_model=None, initial_model=None
                                 alpha=cfg["alpha"], distill=cfg["distill"], topk=cfg["topk"], tail=cfg["tail"],
                                 temperature=temperature)
         loss.backward()
+        metrics["reference_s"] += t1 - t0
+        metrics["teacher_s"] += t2 - t1
+        metrics["student_s"] += time.time() - t2
         metrics["loss"] += loss.item()
         if parts:
             metrics["div_sum"] += stats["div"][div_rows].sum().item()
@@ -677,17 +1389,18 @@ def loss_backward(model, batch, cfg, dev, teacher_model=None, initial_model=None
 
 
 # ----------------------------------------------------------------------------- one iteration
-def build_batch(tasks, model, tokenizer, cfg, generator, dev, autocast=contextlib.nullcontext):
+def build_batch(tasks, model, tokenizer, cfg, generator, dev, autocast=contextlib.nullcontext, global_sum=list):
     """Rollout → reward → advantage → teacher context for one iteration's prompts.
 
     Returns (batch for loss_backward, metrics). For algo='sft' the "responses" are the
-    reference solutions."""
+    reference solutions. With several ranks, `tasks` is this rank's share and global_sum
+    adds numbers over ranks, so every loss is normalised by the whole step's token count."""
     eos = tokenizer.eos_token_id
     prompts = [prompt_ids(tokenizer, t["messages"], cfg["enable_thinking"]) for t in tasks]
     if cfg["algo"] == "sft":
         responses = [tokenizer.encode(t["solution"], add_special_tokens=False) + [eos] for t in tasks]
         lengths = [len(r) for r in responses]
-        total = sum(lengths)
+        total = global_sum([sum(lengths)])[0]
         return ({"prompts": prompts, "responses": responses, "old_logp": [torch.zeros(n) for n in lengths],
                  "advantage": [0.0] * len(tasks), "pg_weight": [torch.full((n,), 1.0 / total) for n in lengths],
                  "distill_weight": [torch.zeros(n) for n in lengths], "teacher_prompts": [None] * len(tasks)},
@@ -699,15 +1412,17 @@ def build_batch(tasks, model, tokenizer, cfg, generator, dev, autocast=contextli
                            eos, tokenizer.pad_token_id, generator)
     decode_responses(tokenizer, rollout)
     t_gen = time.time() - t0
+    t0 = time.time()
     scored = [reward(tasks[i // G]["kind"], text, tasks[i // G]["answer"]) for i, text in enumerate(rollout.texts)]
     rewards = torch.tensor([s for s, _ in scored], dtype=torch.float32)
     feedbacks = [f for _, f in scored]
+    t_reward = time.time() - t0
     advantages = group_advantages(rewards, G, cfg["norm_adv_std"])
     lengths = [len(r) for r in rollout.response_ids]
     # zero-signal groups are dropped from the GRPO term (unless a KL term still needs them)
     keep = [bool(a != 0) or cfg["kl_coef"] > 0 for a in advantages.tolist()]
     pg_scale = cfg["grpo_mix"] if cfg["algo"] == "sdpo" else 1.0
-    pg_weight = [w * pg_scale for w in grpo_weights(lengths, keep, cfg["loss_agg"], cfg["max_new_tokens"])]
+    pg_weight = [w * pg_scale for w in grpo_weights(lengths, keep, cfg["loss_agg"], cfg["max_new_tokens"], global_sum)]
     teacher_prompts, distill_weight = [None] * len(lengths), [torch.zeros(n) for n in lengths]
     metrics = {}
     if cfg["algo"] == "sdpo":
@@ -721,7 +1436,8 @@ def build_batch(tasks, model, tokenizer, cfg, generator, dev, autocast=contextli
         masks = density_masks(lengths, cfg["density"], generator)
         masks = [m if t is not None else torch.zeros_like(m) for m, t in zip(masks, teacher_prompts)]
         n_distill = sum(int(m.sum()) for m in masks)
-        distill_weight = [m.float() * (1 - cfg["grpo_mix"]) / max(n_distill, 1) for m in masks]
+        step_distill = global_sum([n_distill])[0]
+        distill_weight = [m.float() * (1 - cfg["grpo_mix"]) / max(step_distill, 1) for m in masks]
         metrics.update(peer_frac=sum(t is not None for t in teacher_prompts) / len(lengths),
                        distill_frac=n_distill / max(sum(lengths), 1), reprompt_truncated=truncated)
     successes = (rewards >= cfg["success_threshold"]).view(-1, G)
@@ -729,7 +1445,7 @@ def build_batch(tasks, model, tokenizer, cfg, generator, dev, autocast=contextli
                    group_success=successes.any(-1).float().mean().item(),
                    zero_signal_groups=(advantages.view(-1, G) == 0).all(-1).float().mean().item(),
                    resp_len=sum(lengths) / len(lengths), truncated=sum(rollout.truncated) / len(lengths),
-                   tokens=sum(lengths), gen_s=t_gen, gen_tok_s=sum(lengths) / max(t_gen, 1e-9))
+                   tokens=sum(lengths), gen_s=t_gen, reward_s=t_reward)
     batch = {"prompts": rollout.prompt_ids, "responses": rollout.response_ids, "old_logp": rollout.old_logprobs,
              "advantage": advantages.tolist(), "pg_weight": pg_weight, "distill_weight": distill_weight,
              "teacher_prompts": teacher_prompts}
@@ -781,10 +1497,61 @@ def frozen_copy(model):
     return m
 
 
+class Dist:
+    """torchrun's process group, or a single process. Ranks hold whole prompt groups; they
+    add token counts (global_sum) and gradients (all_reduce_grads); rank 0 writes."""
+
+    def __init__(self, device_name):
+        self.rank, self.world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+        self.device = pick_device(device_name)
+        if self.world > 1:
+            import torch.distributed as dist
+            self.dist = dist
+            if self.device.type == "cuda":
+                self.device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+                torch.cuda.set_device(self.device)
+            dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo")
+        self.master = self.rank == 0
+
+    def global_sum(self, numbers):
+        if self.world == 1:
+            return list(numbers)
+        t = torch.tensor(numbers, dtype=torch.float64, device=self.device)
+        self.dist.all_reduce(t)
+        return [int(x) if float(x).is_integer() else float(x) for x in t.tolist()]
+
+    def all_reduce_grads(self, model):
+        """Sum gradients over ranks (each rank's loss is already / the global token count)."""
+        if self.world == 1:
+            return
+        params = list(model.parameters())
+        for p in params:
+            if p.grad is None:  # this rank had no signal for it: contribute zeros
+                p.grad = torch.zeros_like(p)
+        flat = torch._utils._flatten_dense_tensors([p.grad for p in params])
+        self.dist.all_reduce(flat)
+        for p, g in zip(params, torch._utils._unflatten_dense_tensors(flat, [p.grad for p in params])):
+            p.grad.copy_(g)
+
+    def gather(self, obj):
+        """A list of every rank's obj (in rank order)."""
+        if self.world == 1:
+            return [obj]
+        out = [None] * self.world
+        self.dist.all_gather_object(out, obj)
+        return out
+
+    def barrier(self):
+        if self.world > 1:
+            self.dist.barrier()
+
+
 def main(cfg):
     check_config(cfg)
-    from tqdm import tqdm  # noqa: F401  (progress bars live in evaluate / prepare scripts)
-    dev = pick_device(cfg["device"])
+    ddp = Dist(cfg["device"])
+    if cfg["batch_prompts"] % ddp.world:
+        raise UserError(f"batch_prompts={cfg['batch_prompts']} must be divisible by the {ddp.world} ranks")
+    dev, say = ddp.device, (print if ddp.master else (lambda *a, **k: None))
     autocast = make_autocast(dev, cfg["dtype"])
     random.seed(cfg["seed"])
     torch.manual_seed(cfg["seed"])
@@ -799,14 +1566,13 @@ def main(cfg):
         with open(os.path.join(ckpt_dir, "state.json")) as f:
             state["base_init"] = json.load(f)["base_init"]
     model, tokenizer = load_model(ckpt_dir if resume else cfg["init_from"], cfg, dev, torch.float32)
-    # train every tensor the model has -- one copy of tied weights
     model.train()
     # the initial model: KL reference, frozen / trust-region teacher, 'initial' stage reset
     needs_initial = (cfg["algo"] != "sft" and cfg["kl_coef"] > 0) or (cfg["algo"] == "sdpo" and (
         cfg["teacher"] in ("frozen", "trust_region") or cfg["teacher_stage_reset"] == "initial"))
     initial_model = None
     if needs_initial:
-        initial_model = frozen_copy(model) if not resume else frozen_copy(load_model(state["base_init"], cfg, dev, torch.float32)[0])
+        initial_model = frozen_copy(load_model(state["base_init"], cfg, dev, torch.float32)[0] if resume else model)
     teacher_model = None
     if cfg["algo"] == "sdpo" and cfg["teacher"] in ("frozen", "ema"):
         teacher_model = frozen_copy(initial_model if initial_model is not None else model)
@@ -814,15 +1580,16 @@ def main(cfg):
             mix_weights(teacher_model, load_model(cfg["teacher_init"], cfg, dev, torch.float32)[0], cfg["teacher_init_alpha"])
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg["learning_rate"], betas=(cfg["beta1"], cfg["beta2"]),
                                   weight_decay=cfg["weight_decay"])
-    generator = torch.Generator().manual_seed(cfg["seed"])  # sampling and density masks
-    data_rng = random.Random(cfg["seed"])  # prompt order
+    generator = torch.Generator().manual_seed(cfg["seed"] + ddp.rank)  # sampling and density masks, per rank
+    data_rng = random.Random(cfg["seed"])  # the global prompt order, the same on every rank
     if resume:
         saved, rng = load_trainer_state(ckpt_dir, optimizer, teacher_model)
         state.update(saved)
-        generator.set_state(rng["sampling"])
+        generator.set_state(rng[f"sampling.{ddp.rank}"])
         data_rng.setstate(tuple(tuple(x) if isinstance(x, list) else x for x in state["data_rng"]))
-        print(f"resumed from {ckpt_dir} at iteration {state['iter']} (stage {state['stage']}, step {state['stage_iter']})")
-    os.makedirs(out_dir, exist_ok=True)
+        say(f"resumed from {ckpt_dir} at iteration {state['iter']} (stage {state['stage']}, step {state['stage_iter']})")
+    if ddp.master:
+        os.makedirs(out_dir, exist_ok=True)
     eval_names = [s for s in cfg["eval_sets"].split(",") if s] or [n for n, _ in stage_list for n in n.split("+")]
     eval_names = list(dict.fromkeys(eval_names))
     eval_tasks = {}
@@ -830,7 +1597,7 @@ def main(cfg):
         tasks = load_tasks(name, "test", cfg["data_dir"])
         eval_tasks[name] = tasks[:cfg["eval_max_prompts"]] if cfg["eval_max_prompts"] > 0 else tasks
     wandb = None
-    if cfg["wandb_log"]:
+    if cfg["wandb_log"] and ddp.master:
         try:
             import wandb
         except ImportError:
@@ -838,34 +1605,48 @@ def main(cfg):
         wandb.init(project=cfg["wandb_project"], name=cfg["wandb_run_name"], config=cfg)
 
     def log(record):
-        if cfg["log_jsonl"]:
+        if cfg["log_jsonl"] and ddp.master:
             with open(os.path.join(out_dir, "log.jsonl"), "a") as f:
                 f.write(json.dumps(record) + "\n")
         if wandb:
             wandb.log(record, step=record["iter"])
 
     def run_eval(tag):
-        """Score every eval set; returns {set: mean@n}."""
-        eval_gen = torch.Generator().manual_seed(cfg["seed"] + 1)  # same samples each time: comparable
-        row = {}
+        """Score every eval set (tasks sharded over ranks); returns {set: mean@n}."""
+        eval_gen = torch.Generator().manual_seed(cfg["seed"] + 1 + ddp.rank)  # same samples each time: comparable
+        row, n = {}, cfg["eval_n"]
         for name, tasks in eval_tasks.items():
             with autocast():
-                res = evaluate(model, tokenizer, tasks, cfg["eval_n"], cfg["eval_temperature"], cfg["eval_top_p"],
-                               cfg["max_new_tokens"], max(1, cfg["micro_batch_size"] // cfg["eval_n"]), eval_gen,
+                res = evaluate(model, tokenizer, tasks[ddp.rank::ddp.world], n, cfg["eval_temperature"], cfg["eval_top_p"],
+                               cfg["max_new_tokens"], max(1, cfg["batch_prompts"] * cfg["group_size"] // n), eval_gen,
                                cfg["enable_thinking"], cfg["success_threshold"])
-            row[name] = res[f"mean@{cfg['eval_n']}"]
-            log({"iter": state["iter"], "eval": name, "tag": tag, f"mean@{cfg['eval_n']}": row[name],
-                 f"pass@{cfg['eval_n']}": res[f"pass@{cfg['eval_n']}"], "mean_len": res["mean_len"]})
-        print(f"eval @ iter {state['iter']} ({tag}): " + ", ".join(f"{k} mean@{cfg['eval_n']} {v:.3f}" for k, v in row.items()))
+            parts = ddp.gather((res["scores"], res["mean_len"] * n * len(res["scores"])))
+            scores = [row_scores for p in parts for row_scores in p[0]]
+            correct = [sum(x >= cfg["success_threshold"] for x in r) for r in scores]
+            row[name] = sum(map(sum, scores)) / (n * len(scores))
+            log({"iter": state["iter"], "eval": name, "tag": tag, f"mean@{n}": row[name],
+                 f"pass@{n}": sum(pass_at_k(n, c, n) for c in correct) / len(correct),
+                 "mean_len": sum(p[1] for p in parts) / (n * len(scores))})
+        say(f"eval @ iter {state['iter']} ({tag}): " + ", ".join(f"{k} mean@{n} {v:.3f}" for k, v in row.items()), flush=True)
         return row
 
     def checkpoint():
-        state["data_rng"] = data_rng.getstate()
-        save_checkpoint(ckpt_dir, model, tokenizer, optimizer, teacher_model, {**state, "config": cfg},
-                        {"sampling": generator.get_state()})
+        # ranks must hold identical weights (same init, same all-reduced steps): check cheaply
+        sums = ddp.gather(sum(p.detach().double().sum().item() for p in model.parameters()))
+        if ddp.world > 1:
+            log({"iter": state["iter"], "rank_param_sums": sums})
+            if len(set(sums)) > 1:
+                raise UserError(f"ranks diverged: parameter sums {sums}")
+        rng_states = ddp.gather(generator.get_state())
+        if ddp.master:
+            state["data_rng"] = data_rng.getstate()
+            save_checkpoint(ckpt_dir, model, tokenizer, optimizer, teacher_model, {**state, "config": cfg},
+                            {f"sampling.{r}": g for r, g in enumerate(rng_states)})
+        ddp.barrier()
 
     if state["iter"] == 0:
         state["accuracy_matrix"] = {"eval_sets": eval_names, "stages": [], "base": run_eval("start"), "rows": []}
+    share = cfg["batch_prompts"] // ddp.world
     try:
         for stage in range(state["stage"], len(stage_list)):
             name, iters = stage_list[stage]
@@ -876,36 +1657,46 @@ def main(cfg):
                 if teacher_model is not None and cfg["teacher_stage_reset"] != "keep":
                     source = model if cfg["teacher_stage_reset"] == "student" else initial_model
                     teacher_model.load_state_dict(source.state_dict())
-            bar_desc = f"stage {stage + 1}/{len(stage_list)} {name}" if len(stage_list) > 1 else name
+            stage_desc = f"stage {stage + 1}/{len(stage_list)} {name}" if len(stage_list) > 1 else name
             while state["stage_iter"] < iters:
                 t0 = time.time()
                 lr = set_lr(optimizer, state["iter"], cfg["learning_rate"], cfg["warmup_iters"])
-                batch_tasks = [data_rng.choice(tasks) for _ in range(cfg["batch_prompts"])]
-                batch, metrics = build_batch(batch_tasks, model, tokenizer, cfg, generator, dev, autocast)
+                step_tasks = [data_rng.choice(tasks) for _ in range(cfg["batch_prompts"])]  # the global batch
+                my_tasks = step_tasks[ddp.rank * share:(ddp.rank + 1) * share]  # whole groups per rank
+                batch, metrics = build_batch(my_tasks, model, tokenizer, cfg, generator, dev, autocast, ddp.global_sum)
                 t1 = time.time()
                 m = loss_backward(model, batch, cfg, dev, teacher_model, initial_model, autocast)
                 if not math.isfinite(m["loss"]):
                     raise Collapse(f"loss is {m['loss']}")
+                ddp.all_reduce_grads(model)
+                t2 = time.time()
                 grad_norm = optimizer_step(model, optimizer, cfg["grad_clip"])
                 if teacher_model is not None and cfg["teacher"] == "ema":
-                    ema_update(teacher_model, model, cfg["teacher_rate"])
-                t_train = time.time() - t1
+                    ema_update(teacher_model, model, cfg["teacher_rate"])  # identical on every rank
+                t3 = time.time()
                 state["iter"] += 1
                 state["stage_iter"] += 1
-                if m["distill_tokens"]:
-                    metrics.update(div=m["div_sum"] / m["distill_tokens"],
-                                   teacher_minus_student=m["teacher_minus_student_sum"] / m["distill_tokens"])
-                record = {"iter": state["iter"], "stage": name, "loss": m["loss"], "lr": lr, "grad_norm": grad_norm,
-                          **metrics, "train_s": t_train, "iter_s": time.time() - t0}
+                # rank-mean of the rollout metrics, step sums of the loss pieces
+                keys = sorted(metrics)
+                sums = ddp.global_sum([metrics[k] for k in keys] + [m[k] for k in ("loss", "div_sum", "teacher_minus_student_sum",
+                                                                                   "distill_tokens")])
+                metrics = {k: v / ddp.world for k, v in zip(keys, sums)}
+                metrics["tokens"] *= ddp.world
+                loss, div_sum, tms_sum, distill_tokens = sums[len(keys):]
+                if distill_tokens:
+                    metrics.update(div=div_sum / distill_tokens, teacher_minus_student=tms_sum / distill_tokens)
+                record = {"iter": state["iter"], "stage": name, "loss": loss, "lr": lr, "grad_norm": grad_norm, **metrics,
+                          "reference_s": m["reference_s"], "teacher_s": m["teacher_s"], "student_s": m["student_s"],
+                          "optimizer_s": t3 - t2, "train_s": t3 - t1, "iter_s": t3 - t0}
                 log(record)
                 shown = " | ".join(f"{k} {record[k]:.4g}" for k in ("loss", "reward", "acc", "resp_len", "div", "peer_frac")
                                    if k in record)
-                print(f"{bar_desc} iter {state['iter']} | {shown} | tok/s {record['tokens'] / record['iter_s']:.0f}"
-                      + (f" | gen {record['gen_s']:.2f}s" if "gen_s" in record else "") + f" train {t_train:.2f}s")
+                say(f"{stage_desc} iter {state['iter']} | {shown} | tok/s {record['tokens'] / record['iter_s']:.0f}"
+                    + (f" | gen {record['gen_s']:.2f}s" if "gen_s" in record else "") + f" train {t3 - t1:.2f}s", flush=True)
                 last = state["stage_iter"] == iters
                 if not last and cfg["eval_interval"] and state["stage_iter"] % cfg["eval_interval"] == 0:
                     row = run_eval("periodic")
-                    check_collapse(row, tasks, name, state, cfg)
+                    check_collapse(row, name, state, cfg)
                     if not cfg["save_interval"]:
                         checkpoint()
                 if cfg["save_interval"] and state["iter"] % cfg["save_interval"] == 0 and not last:
@@ -914,21 +1705,24 @@ def main(cfg):
             row = run_eval(f"end of stage {stage + 1}")
             state["accuracy_matrix"]["stages"].append(name)
             state["accuracy_matrix"]["rows"].append([row[s] for s in eval_names])
-            with open(os.path.join(out_dir, "accuracy_matrix.json"), "w") as f:
-                json.dump(state["accuracy_matrix"], f, indent=1)
-            if len(stage_list) > 1:
-                snap = os.path.join(out_dir, f"stage{stage + 1}_{name.replace('/', '_').replace('+', '_')}")
-                model.save_pretrained(snap, safe_serialization=True)
-                tokenizer.save_pretrained(snap)
+            if ddp.master:
+                with open(os.path.join(out_dir, "accuracy_matrix.json"), "w") as f:
+                    json.dump(state["accuracy_matrix"], f, indent=1)
+                if len(stage_list) > 1:
+                    snap = os.path.join(out_dir, f"stage{stage + 1}_{name.replace('/', '_').replace('+', '_')}")
+                    model.save_pretrained(snap, safe_serialization=True)
+                    tokenizer.save_pretrained(snap)
             state["stage"], state["stage_iter"] = stage + 1, 0
             checkpoint()
     except Collapse as e:
         raise UserError(f"training stopped at iteration {state['iter']}: {e}. The last good checkpoint is "
                         f"{ckpt_dir}" + ("" if os.path.isdir(ckpt_dir) else " (none was written yet)")) from None
-    print(f"done: {state['iter']} iterations; model in {ckpt_dir}")
+    say(f"done: {state['iter']} iterations; model in {ckpt_dir}")
+    if ddp.world > 1:
+        ddp.dist.destroy_process_group()
 
 
-def check_collapse(row, tasks, name, state, cfg):
+def check_collapse(row, name, state, cfg):
     """Zero accuracy on the training domain for collapse_patience evals in a row = collapse."""
     own = [row[n] for n in name.split("+") if n in row]
     state["zero_acc_evals"] = state["zero_acc_evals"] + 1 if own and max(own) == 0 else 0

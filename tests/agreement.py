@@ -17,10 +17,7 @@ import sys
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DATA_DIR = os.path.join(REPO, "..", "shared", "data")
 sys.path.insert(0, REPO)
-try:
-    import _rewards as R
-except ImportError:  # the checkers live in train.py once pasted there
-    import train as R
+import train as R  # noqa: E402  (the reward checkers live in train.py)
 
 
 def load(data_dir, name):

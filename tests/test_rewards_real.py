@@ -13,7 +13,7 @@ DATA = os.path.join(REPO, "..", "shared", "data")
 sys.path.insert(0, TESTS)
 sys.path.insert(0, REPO)
 import agreement  # noqa: E402
-from agreement import R  # noqa: E402  (the checkers, from _rewards.py or train.py)
+from agreement import R  # noqa: E402  (the checkers, from train.py)
 
 pytestmark = pytest.mark.skipif(not os.path.isfile(os.path.join(DATA, "math500_test.jsonl")),
                                 reason=f"real benchmark files not found in {os.path.normpath(DATA)}")

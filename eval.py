@@ -1,0 +1,732 @@
+"""
+Evaluate a trained model against the model it started from: accuracy, continual metrics, drift.
+
+    python eval.py --run_dir=out/grpo_toy                                  # the run's final checkpoint vs its base
+    python eval.py --run_dir=out/cl_sdpo --eval_sets=toy/add,toy/mul,toy/sort --plots=True
+    python eval.py --model=out/sdpo_math/ckpt --base_model=Qwen/Qwen3-4B --eval_sets=math --n=16 --k=1,4,16
+
+What it reports (JSON at `out`, default run_dir/eval.json, and a markdown table beside it):
+  accuracy    per eval set, for the model and the base model: mean@n (mean reward of n samples per
+              prompt at temperature/top_p) and the unbiased pass@k for each k (Chen et al. 2021),
+              plus delta = model − base, and the macro average over sets.
+  continual   from run_dir/accuracy_matrix.json: average final accuracy, forgetting per set,
+              backward and forward transfer, in-domain gain per stage (see continual_metrics).
+  drift       parameter drift ‖θ−θ0‖/‖θ0‖ (overall, per layer, per module type); response drift
+              on fixed prompts (MMD² of base-model embeddings of the two models' responses, and
+              text similarity of paired responses); format artifacts (another domain's answer
+              format, repetition loops, missing final answers, mean length) -- for the model and,
+              when run_dir holds per-stage snapshots, for every stage (a curve over stages).
+Response drift uses the first `drift_prompts` test prompts of each set, one response per prompt
+sampled at temperature/top_p with a generator seeded by `seed` (not greedy), for both models.
+Same configurator as train.py: `python eval.py --help` lists every key.
+"""
+import contextlib
+import difflib
+import json
+import math
+import os
+import re
+import sys
+
+import torch
+
+import train
+from configurator import configure
+
+run_dir = ""  # a training run folder (train.py's out_dir): accuracy matrix, per-stage snapshots, base model
+model = ""  # checkpoint folder or HF id to score ('' = run_dir/ckpt)
+base_model = ""  # the reference model ('' = the run's base_init, the model training started from; 'none' = no base)
+eval_sets = ""  # comma list of test sets and/or presets from data/common.py (math, science, tool, general, paper); '' = the run's
+n = 16  # samples per prompt for mean@n and pass@k (the paper: 16)
+k = "1,4,16"  # comma list of k for pass@k (values above n are dropped)
+temperature = 0.6  # sampling temperature
+top_p = 0.95  # nucleus sampling
+max_new_tokens = 0  # response length cap (0 = the run's max_new_tokens, else 2048)
+max_prompts = 0  # test prompts per set (0 = all)
+drift_prompts = 32  # the first prompts of each set used for response drift (0 = skip response drift)
+batch_prompts = 8  # prompts per generation batch (each with n samples)
+stage_drift = True  # drift metrics for every per-stage snapshot in run_dir (a curve over stages)
+out = ""  # JSON output path ('' = run_dir/eval.json, else eval.json); the markdown goes beside it (.md)
+seed = 1337  # sampling seed (each set and each model starts from the same generator state)
+device = "auto"  # 'auto', 'cpu', 'cuda', ...
+dtype = "auto"  # 'auto' (bfloat16 autocast on CUDA, float32 on CPU), 'float32', 'bfloat16'
+data_dir = "data"  # datasets live in data_dir/<name>/{train,test}.jsonl
+enable_thinking = False  # passed to the chat template (Qwen3: thinking off, the paper's setting)
+plots = False  # also write PNGs: the accuracy-matrix heatmap and drift curves (needs matplotlib)
+
+
+# ----------------------------------------------------------------------------- accuracy
+def accuracy_summary(scores, ks, threshold=1.0):
+    """Per-prompt score lists (n each) -> {f"mean@{n}", f"pass@{k}" for k in ks (k <= n)}.
+
+    mean@n = mean of all scores; pass@k = mean over prompts of the unbiased estimator
+    1 − C(n−c, k)/C(n, k), c = number of samples with score >= threshold."""
+    n_samples = len(scores[0])
+    out = {f"mean@{n_samples}": sum(map(sum, scores)) / (n_samples * len(scores))}
+    correct = [sum(s >= threshold for s in row) for row in scores]
+    for kk in ks:
+        if kk <= n_samples:
+            out[f"pass@{kk}"] = sum(train.pass_at_k(n_samples, c, kk) for c in correct) / len(correct)
+    return out
+
+
+def delta(a, b):
+    """a − b for every key the two dicts share (values None when either is)."""
+    return {key: (a[key] - b[key] if a[key] is not None and b[key] is not None else None) for key in a if key in b}
+
+
+# ----------------------------------------------------------------------------- continual metrics
+def stage_columns(stages, eval_sets):
+    """For each stage name, the eval-set columns it trained on: 'a+b' -> [col of a, col of b].
+
+    A stage whose dataset is not among the eval sets gets [] and is left out of BWT/FWT."""
+    return [[eval_sets.index(p) for p in stage.split("+") if p in eval_sets] for stage in stages]
+
+
+def _mean(xs):
+    xs = [x for x in xs if x is not None]
+    return sum(xs) / len(xs) if xs else None
+
+
+def continual_metrics(matrix):
+    """Continual-learning summary of an accuracy matrix (train.py's accuracy_matrix.json).
+
+    a[i][j] = accuracy after stage i (0..T−1) on eval set j; base[j] = before training;
+    J(i) = the columns of the sets stage i trained on (stage 'a+b' trains on a and b).
+      avg_final     = mean_j a[T−1][j]
+      forgetting[j] = max_{i < T−1} a[i][j] − a[T−1][j], for the sets trained on in some stage
+                      before the last one ("seen"); None for the others (trained only in the last
+                      stage, or never trained on: held-out sets), where forgetting is undefined
+      avg_forgetting = mean of forgetting over the seen sets (None if there are none)
+      max_drop[j]   = max(base[j], a[0..T−2][j]) − a[T−1][j], for every set (the best score ever
+                      held minus the final one; covers held-out sets and T = 1)
+      BWT = mean_{i < T−1} [ mean_{j∈J(i)} a[T−1][j] − a[i][j] ]   (< 0: later stages undid it)
+      FWT = mean_{i > 0} [ mean_{j∈J(i)} a[i−1][j] − base[j] ]     (> 0: earlier stages helped)
+      gain[i] = mean_{j∈J(i)} a[i][j] − a[i−1][j], a[−1] = base   (in-domain learning per stage)
+    Stages with J(i) = [] are skipped in BWT/FWT (gain None); a mean over nothing is None.
+    """
+    sets, stages, rows = matrix["eval_sets"], matrix["stages"], matrix["rows"]
+    base = matrix.get("base") or {}
+    base_row = [base.get(s) for s in sets]
+    T = len(rows)
+    if T == 0:
+        return {"avg_final": None, "forgetting": {}, "avg_forgetting": None, "max_drop": {}, "bwt": None,
+                "fwt": None, "gain": [], "stage_columns": []}
+    cols = stage_columns(stages, sets)
+    final = rows[-1]
+    seen = {j for i in range(T - 1) for j in cols[i]}
+    forgetting = {s: (max(rows[i][j] for i in range(T - 1)) - final[j] if j in seen else None)
+                  for j, s in enumerate(sets)}
+    max_drop = {s: max([v for v in [base_row[j]] + [rows[i][j] for i in range(T - 1)] if v is not None]
+                       or [final[j]]) - final[j] for j, s in enumerate(sets)}
+    bwt = _mean([_mean([final[j] - rows[i][j] for j in cols[i]]) for i in range(T - 1)])
+    fwt = _mean([_mean([rows[i - 1][j] - base_row[j] for j in cols[i] if base_row[j] is not None])
+                 for i in range(1, T)])
+    gain = [_mean([rows[i][j] - (rows[i - 1][j] if i else base_row[j]) for j in cols[i]
+                   if i or base_row[j] is not None]) for i in range(T)]
+    return {"avg_final": sum(final) / len(final), "forgetting": forgetting,
+            "avg_forgetting": _mean([forgetting[s] for s in sets if forgetting[s] is not None]),
+            "max_drop": max_drop, "bwt": bwt, "fwt": fwt, "gain": gain, "stage_columns": cols}
+
+
+# ----------------------------------------------------------------------------- parameter drift
+MODULE_TYPES = ("attn_q", "attn_k", "attn_v", "attn_o", "mlp", "norm", "embed", "other")
+_LAYER_RE = re.compile(r"(?:^|\.)(?:layers|h|blocks|layer)\.(\d+)\.")
+
+
+def module_type(name):
+    """Parameter name -> one of MODULE_TYPES (Qwen/Llama naming; 'other' for anything else)."""
+    if "norm" in name:  # input/post_attention_layernorm, final norm, Qwen3's q_norm/k_norm
+        return "norm"
+    for proj, kind in (("q_proj", "attn_q"), ("k_proj", "attn_k"), ("v_proj", "attn_v"), ("o_proj", "attn_o")):
+        if proj in name:
+            return kind
+    if ".mlp." in name or any(p in name for p in ("gate_proj", "up_proj", "down_proj")):
+        return "mlp"
+    if "embed" in name or "lm_head" in name or "wte" in name:  # input embeddings and the LM head
+        return "embed"
+    return "other"
+
+
+@torch.no_grad()
+def param_drift(state, state0):
+    """Relative parameter drift ‖θ−θ0‖ / ‖θ0‖ between two state dicts (θ = state, θ0 = state0).
+
+    Returns {"overall", "by_layer": {layer index (str): ...}, "by_module": {module type: ...}},
+    each the norm of the difference over that group's tensors concatenated, divided by the norm
+    of the group's θ0. Floating-point tensors only; a tensor that shares storage with one already
+    counted, in either state dict (tied embedding / LM head), is counted once. 0 for an unchanged model. Parameters
+    outside a numbered block (embeddings, final norm) appear only in overall and by_module."""
+    diff2, ref2, seen = {}, {}, set()
+    missing = sorted(set(state0) ^ set(state))
+    if missing:
+        raise train.UserError(f"the two models have different parameters ({', '.join(missing[:3])}...): "
+                              "parameter drift needs the same architecture")
+    for name, t0 in state0.items():
+        t = state[name]
+        if not torch.is_floating_point(t0):
+            continue
+        if tuple(t.shape) != tuple(t0.shape):
+            raise train.UserError(f"{name} has shape {tuple(t.shape)} vs {tuple(t0.shape)} in the base: "
+                                  "parameter drift needs the same architecture")
+        if ("base", t0.data_ptr()) in seen or ("model", t.data_ptr()) in seen:
+            continue  # tied to a tensor already counted (in either model)
+        seen.update((("base", t0.data_ptr()), ("model", t.data_ptr())))
+        d = (t.detach().double().to(t0.device) - t0.detach().double()).pow(2).sum().item()
+        r = t0.detach().double().pow(2).sum().item()
+        layer = _LAYER_RE.search(name)
+        for group in ("overall", "module:" + module_type(name)) + (("layer:" + layer.group(1),) if layer else ()):
+            diff2[group] = diff2.get(group, 0.0) + d
+            ref2[group] = ref2.get(group, 0.0) + r
+
+    def rel(g):
+        return math.sqrt(diff2[g]) / math.sqrt(ref2[g]) if ref2[g] > 0 else (0.0 if diff2[g] == 0 else math.inf)
+
+    layers = sorted((g for g in diff2 if g.startswith("layer:")), key=lambda g: int(g[6:]))
+    return {"overall": rel("overall") if "overall" in diff2 else 0.0,
+            "by_layer": {g[6:]: rel(g) for g in layers},
+            "by_module": {m: rel("module:" + m) for m in MODULE_TYPES if "module:" + m in diff2}}
+
+
+# ----------------------------------------------------------------------------- response drift
+def median_heuristic(x):
+    """Median pairwise Euclidean distance between distinct rows of x [N, D] (the RBF bandwidth σ).
+
+    None when there are fewer than two rows or every pair coincides."""
+    x = torch.as_tensor(x, dtype=torch.float64)
+    if x.shape[0] < 2:
+        return None
+    d = torch.cdist(x, x)
+    i, j = torch.triu_indices(x.shape[0], x.shape[0], 1)
+    med = d[i, j].median().item()
+    return med if med > 0 else None
+
+
+def mmd_rbf(x, y, sigma=None):
+    """Unbiased MMD² between samples x [m, D] and y [n, D] (m, n >= 2) with the RBF kernel
+    k(a, b) = exp(−‖a−b‖² / (2σ²)):
+
+        MMD² = Σ_{i≠i'} k(x_i, x_i') / m(m−1) + Σ_{j≠j'} k(y_j, y_j') / n(n−1) − 2 Σ_{i,j} k(x_i, y_j) / mn
+
+    σ defaults to the median heuristic over the pooled samples (1.0 if all points coincide).
+    ≈ 0 when x and y come from the same distribution (the unbiased estimate can be slightly
+    negative: exactly −2(1 − mean off-diagonal k)/m for y = x), > 0 when they differ."""
+    x = torch.as_tensor(x, dtype=torch.float64)
+    y = torch.as_tensor(y, dtype=torch.float64)
+    m, n_ = x.shape[0], y.shape[0]
+    if m < 2 or n_ < 2:
+        raise ValueError("mmd_rbf needs at least two samples on each side")
+    if sigma is None:
+        sigma = median_heuristic(torch.cat([x, y])) or 1.0
+
+    def kernel(a, b):
+        return torch.exp(-torch.cdist(a, b).pow(2) / (2 * sigma ** 2))
+
+    kxx, kyy, kxy = kernel(x, x), kernel(y, y), kernel(x, y)
+    return ((kxx.sum() - kxx.diagonal().sum()) / (m * (m - 1)) + (kyy.sum() - kyy.diagonal().sum()) / (n_ * (n_ - 1))
+            - 2 * kxy.mean()).item()
+
+
+TEXT_SIM_CHARS = 4000  # difflib is quadratic in the worst case: compare at most this many leading characters
+
+
+def text_similarity(a, b):
+    """Mean difflib SequenceMatcher ratio (0 = nothing shared, 1 = identical) over paired texts."""
+    if not a:
+        return None
+    return sum(difflib.SequenceMatcher(None, x[:TEXT_SIM_CHARS], y[:TEXT_SIM_CHARS]).ratio()
+               for x, y in zip(a, b)) / len(a)
+
+
+@torch.no_grad()
+def embed_responses(model, tokenizer, message_lists, texts, dev, batch=16, enable_thinking=False, autocast=None):
+    """Mean-pooled final hidden states of `model` over each response's tokens, read after its prompt.
+
+    Each response text is re-encoded with `tokenizer` and followed by EOS (so an empty response
+    still has one position): the embedding space belongs to `model` alone, whichever model wrote
+    the text. Returns a float32 CPU tensor [N, hidden]."""
+    autocast = autocast or contextlib.nullcontext
+    was_training = model.training
+    model.eval()
+    out = []
+    for start in range(0, len(texts), batch):
+        prompts = [train.prompt_ids(tokenizer, msgs, enable_thinking) for msgs in message_lists[start:start + batch]]
+        responses = [tokenizer.encode(t, add_special_tokens=False) + [tokenizer.eos_token_id]
+                     for t in texts[start:start + batch]]
+        with autocast():
+            h = train.hidden_states(model, [p + r for p, r in zip(prompts, responses)], dev)
+        for i, (p, r) in enumerate(zip(prompts, responses)):
+            out.append(h[i, len(p):len(p) + len(r)].float().mean(0).cpu())
+    model.train(was_training)
+    return torch.stack(out)
+
+
+# ----------------------------------------------------------------------------- format artifacts
+FORMATS = {  # answer formats of the domains; each kind expects one of them
+    "boxed": re.compile(r"\\(?:boxed|fbox)\s*\{"),
+    "answer_tag": re.compile(r"<answer>", re.I),
+    "tool_call": re.compile(r"^[ \t*]*Action[ \t*]*Input[ \t*]*:", re.M),
+}
+NATIVE_FORMAT = {"math": "boxed", "mcq": "answer_tag", "exact": "answer_tag", "tool": "tool_call"}
+REPEAT_RE = re.compile(r"(.{1,40}?)\1{3,}", re.S)  # a unit of 1-40 characters, then >= 3 more copies of it
+LOOP_MIN_SPAN = 16  # ...covering at least this many characters, with a letter or digit in the unit
+LOOP_NGRAM, LOOP_MIN_WORDS, LOOP_DUP_FRAC = 4, 32, 0.5
+LOOP_CHARS = 20_000  # look at most at this many leading characters
+
+
+def foreign_formats(text, kind):
+    """Names of the answer formats in `text` that belong to other domains than `kind`'s.
+
+    math expects \\boxed{}; mcq and exact expect <answer>…</answer>; tool expects
+    'Action: … / Action Input: {…}'. Any other of those formats appearing is foreign (e.g.
+    '\\boxed{' in an exact/mcq response, '<answer>' in a math one). Unknown kinds: none."""
+    native = NATIVE_FORMAT.get(kind)
+    if native is None:
+        return []
+    return [name for name, rx in FORMATS.items() if name != native and rx.search(text)]
+
+
+def repetition_loop(text):
+    """True when the response is stuck in a loop, by either test:
+      consecutive: some unit of 1-40 characters containing a letter or digit occurs >= 4 times
+                   back to back, spanning >= LOOP_MIN_SPAN (16) characters ('\\boxed{1}\\boxed{1}…',
+                   '1111111111111111', 'the the the the …'); short natural runs ('1111') are not loops;
+      4-grams:     a response of >= 32 whitespace words in which >= half of the word 4-grams
+                   repeat an earlier 4-gram (loops of long units, e.g. a repeated sentence).
+    Only the first LOOP_CHARS characters are examined (bounded time)."""
+    text = text[:LOOP_CHARS]
+    for m in REPEAT_RE.finditer(text):
+        if len(m.group(0)) >= LOOP_MIN_SPAN and any(c.isalnum() for c in m.group(1)):
+            return True
+    words = text.split()
+    if len(words) >= LOOP_MIN_WORDS:
+        grams = [tuple(words[i:i + LOOP_NGRAM]) for i in range(len(words) - LOOP_NGRAM + 1)]
+        if 1 - len(set(grams)) / len(grams) >= LOOP_DUP_FRAC:
+            return True
+    return False
+
+
+def final_answer(text, kind):
+    """The final answer train.reward would read for `kind`, or None (nothing extractable).
+
+    math: the last \\boxed{}; exact: the last <answer>…</answer>; mcq: that tag, else a
+    \\boxed{} letter, else "the answer is (X)"; tool: the Action names. Blank counts as None."""
+    text = text or ""
+    if kind == "math":
+        got = train.extract_boxed(text)
+    elif kind == "exact":
+        got = train._last_tag(text)[0]
+    elif kind == "mcq":
+        got = train._last_tag(text)[0]
+        if got is None:
+            got = train.extract_boxed(text)
+        if got is None:
+            got = ([m.group(1) for m in train._ANSWER_IS_RE.finditer(text[-3000:])] or [None])[-1]
+    elif kind == "tool":
+        calls = train._parse_tool_calls(text)[0]
+        got = " ".join(name for name, _ in calls)
+    else:
+        got = text
+    return got if got is not None and got.strip() else None
+
+
+def format_artifacts(texts, kinds, lengths):
+    """Artifact rates over responses (texts[i] answers a task of kind kinds[i], lengths[i] tokens).
+
+    foreign_format: fraction with another domain's answer format (foreign_formats);
+    repetition: fraction stuck in a loop (repetition_loop); empty_answer: fraction that are blank
+    or have no extractable final answer (final_answer); mean_len: mean tokens per response;
+    formats: the fraction showing each answer format at all."""
+    m = len(texts)
+    if m == 0:
+        return {"n": 0, "foreign_format": None, "repetition": None, "empty_answer": None, "mean_len": None, "formats": {}}
+    return {
+        "n": m,
+        "foreign_format": sum(bool(foreign_formats(t, kd)) for t, kd in zip(texts, kinds)) / m,
+        "repetition": sum(repetition_loop(t) for t in texts) / m,
+        "empty_answer": sum(final_answer(t, kd) is None for t, kd in zip(texts, kinds)) / m,
+        "mean_len": sum(lengths) / m,
+        "formats": {name: sum(bool(rx.search(t)) for t in texts) / m for name, rx in FORMATS.items()},
+    }
+
+
+def artifacts_of(tokenizer, tasks, texts_per_task):
+    """format_artifacts over every response to every task (token lengths from `tokenizer`)."""
+    texts = [t for row in texts_per_task for t in row]
+    kinds = [task["kind"] for task, row in zip(tasks, texts_per_task) for _ in row]
+    lengths = [len(tokenizer.encode(t, add_special_tokens=False)) for t in texts]
+    return format_artifacts(texts, kinds, lengths)
+
+
+# ----------------------------------------------------------------------------- run folder
+def parse_eval_sets(spec, presets):
+    """'math,toy/add' -> the preset's sets + ['toy/add'] (order kept, duplicates dropped)."""
+    names = []
+    for part in (p.strip() for p in spec.split(",")):
+        if part:
+            names.extend(presets.get(part, [part]))
+    return list(dict.fromkeys(names))
+
+
+def parse_ks(spec, n_samples):
+    """'1,4,16' -> [1, 4, 16] restricted to k <= n (and n itself if nothing is left)."""
+    try:
+        ks = sorted({int(x) for x in spec.split(",") if x.strip()})
+    except ValueError:
+        raise train.UserError(f"k={spec!r} is not a comma list of integers (e.g. k=1,4,16)") from None
+    if any(kk < 1 for kk in ks):
+        raise train.UserError(f"k={spec!r}: every k must be >= 1")
+    return [kk for kk in ks if kk <= n_samples] or [n_samples]
+
+
+def snapshot_name(stage_name):
+    return stage_name.replace("/", "_").replace("+", "_")
+
+
+def read_run(path):
+    """A training run folder -> {"matrix", "state", "snapshots": [(stage number, stage name, folder)]}."""
+    if not os.path.isdir(path):
+        raise train.UserError(f"run_dir {path} is not a folder (point it at a train.py out_dir)")
+    run = {"matrix": None, "state": None, "snapshots": []}
+    mpath = os.path.join(path, "accuracy_matrix.json")
+    if os.path.exists(mpath):
+        with open(mpath) as f:
+            run["matrix"] = json.load(f)
+    spath = os.path.join(path, "ckpt", "state.json")
+    if os.path.exists(spath):
+        with open(spath) as f:
+            run["state"] = json.load(f)
+    stages = (run["matrix"] or {}).get("stages", [])
+    for entry in os.listdir(path):
+        m = re.fullmatch(r"stage(\d+)_(.+)", entry)
+        if m and os.path.exists(os.path.join(path, entry, "config.json")):
+            i = int(m.group(1))
+            name = stages[i - 1] if i <= len(stages) and snapshot_name(stages[i - 1]) == m.group(2) else m.group(2)
+            run["snapshots"].append((i, name, os.path.join(path, entry)))
+    run["snapshots"].sort()
+    if run["matrix"] is None and run["state"] is None:
+        raise train.UserError(f"{path} has neither accuracy_matrix.json nor ckpt/state.json: is it a train.py out_dir?")
+    return run
+
+
+def load(init, run_cfg, dev):
+    """train.load_model with the run's config (needed to rebuild init_from='scratch')."""
+    if init == "scratch" and not run_cfg:
+        raise train.UserError("base_model='scratch' needs run_dir (its config rebuilds the initial weights)")
+    model_, tokenizer = train.load_model(init, run_cfg or {}, dev, torch.float32)
+    model_.eval()
+    return model_, tokenizer
+
+
+# ----------------------------------------------------------------------------- one model's numbers
+def score_sets(model_, tokenizer, sets, cfg, ks, autocast, label):
+    """Sample n responses per prompt on every set: {set: {"metrics", "texts", "artifacts"}}."""
+    res = {}
+    for name, tasks in sets.items():
+        print(f"{label}: {name} ({len(tasks)} prompts x {cfg['n']} samples)", flush=True)
+        gen = torch.Generator().manual_seed(cfg["seed"])
+        with autocast():
+            r = train.evaluate(model_, tokenizer, tasks, cfg["n"], cfg["temperature"], cfg["top_p"], cfg["max_new_tokens"],
+                               cfg["batch_prompts"], gen, cfg["enable_thinking"], 1.0, progress=True)
+        res[name] = {"metrics": accuracy_summary(r["scores"], ks), "texts": r["texts"],
+                     "artifacts": artifacts_of(tokenizer, tasks, r["texts"])}
+    return res
+
+
+def drift_responses(model_, tokenizer, drift_sets, cfg, autocast, seed_offset=0):
+    """One response per fixed drift prompt, sampled with a generator seeded by cfg['seed']: {set: [text]}."""
+    out_ = {}
+    for name, tasks in drift_sets.items():
+        gen = torch.Generator().manual_seed(cfg["seed"] + seed_offset)
+        with autocast():
+            r = train.evaluate(model_, tokenizer, tasks, 1, cfg["temperature"], cfg["top_p"], cfg["max_new_tokens"],
+                               max(1, cfg["batch_prompts"] * cfg["n"]), gen, cfg["enable_thinking"], 1.0)
+        out_[name] = [row[0] for row in r["texts"]]
+    return out_
+
+
+def bandwidth(base_emb, other_emb):
+    """RBF σ for a set: the median heuristic over the base responses' embeddings (so every model and
+    stage compared with this base uses one kernel), else over both sides pooled, else 1."""
+    return median_heuristic(base_emb) or median_heuristic(torch.cat([other_emb, base_emb])) or 1.0
+
+
+def response_drift(texts, base, drift_sets, dev, cfg, autocast):
+    """Per set: MMD² between base-model embeddings of the model's and the base's responses (kernel
+    from `bandwidth`), the base's own noise floor (MMD² between two base samples drawn with other
+    seeds: what "no drift" looks like at this many prompts), the mean text similarity of paired
+    responses and the fraction of identical pairs."""
+    out_ = {}
+    for name, tasks in drift_sets.items():
+        emb = embed_responses(base["model"], base["tokenizer"], [t["messages"] for t in tasks], texts[name], dev,
+                              enable_thinking=cfg["enable_thinking"], autocast=autocast)
+        sigma = bandwidth(base["drift_emb"][name], emb)
+        out_[name] = {"mmd2": mmd_rbf(emb, base["drift_emb"][name], sigma) if len(tasks) >= 2 else None, "mmd2_floor": base["mmd2_floor"][name],
+                      "bandwidth": sigma, "text_similarity": text_similarity(texts[name], base["drift_texts"][name]),
+                      "identical": sum(a == b for a, b in zip(texts[name], base["drift_texts"][name])) / len(tasks),
+                      "n_prompts": len(tasks)}
+    return out_
+
+
+def drift_of(model_, tokenizer, base, drift_sets, cfg, dev, autocast):
+    """Parameter drift, response drift and artifacts (on the drift responses) of one model vs the base."""
+    texts = drift_responses(model_, tokenizer, drift_sets, cfg, autocast) if drift_sets else {}
+    out_ = {"param": param_drift(model_.state_dict(), base["state"]) if base else None,
+            "response": response_drift(texts, base, drift_sets, dev, cfg, autocast) if base and drift_sets else {},
+            "artifacts": {name: artifacts_of(tokenizer, tasks, [[t] for t in texts[name]])
+                          for name, tasks in drift_sets.items()}}
+    return out_, texts
+
+
+# ----------------------------------------------------------------------------- report
+def _f(x, digits=3):
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
+def markdown(report):
+    """The report as markdown tables."""
+    lines = [f"# eval: {report['model']}", "", f"base: {report['base_model'] or '(none)'}; "
+             f"n={report['config']['n']}, temperature={report['config']['temperature']}, "
+             f"top_p={report['config']['top_p']}, max_new_tokens={report['config']['max_new_tokens']}", ""]
+    acc = report["accuracy"]
+    if acc:
+        keys = list(next(iter(acc.values()))["model"])
+        lines += ["## Accuracy (model / base / delta)", "", "| set | prompts | " + " | ".join(keys) + " |",
+                  "|---|---|" + "---|" * len(keys)]
+        for name, a in list(acc.items()) + [("**average**", report["accuracy_avg"])]:
+            cells = [f"{_f(a['model'][kk])} / {_f((a.get('base') or {}).get(kk))} / {_f((a.get('delta') or {}).get(kk))}"
+                     for kk in keys]
+            lines.append(f"| {name} | {a.get('n_prompts', '')} | " + " | ".join(cells) + " |")
+        lines.append("")
+    c = report.get("continual")
+    if c:
+        sets = c["eval_sets"]
+        lines += ["## Continual (accuracy matrix: row = after stage, column = eval set)", "",
+                  "| after | " + " | ".join(sets) + " |", "|---|" + "---|" * len(sets)]
+        if c.get("base"):
+            lines.append("| base | " + " | ".join(_f(c["base"].get(s)) for s in sets) + " |")
+        for i, (stage, row) in enumerate(zip(c["stages"], c["rows"])):
+            lines.append(f"| {i + 1}: {stage} | " + " | ".join(_f(v) for v in row) + " |")
+        lines.append("| forgetting | " + " | ".join(_f(c["forgetting"].get(s)) for s in sets) + " |")
+        lines.append("| max drop | " + " | ".join(_f(c["max_drop"].get(s)) for s in sets) + " |")
+        lines += ["", f"average final accuracy {_f(c['avg_final'])}, average forgetting {_f(c['avg_forgetting'])}, "
+                  f"BWT {_f(c['bwt'])}, FWT {_f(c['fwt'])}, in-domain gain per stage "
+                  + ", ".join(_f(g) for g in c["gain"]), ""]
+    d = report.get("drift")
+    if d:
+        if d.get("param"):
+            p = d["param"]
+            lines += ["## Parameter drift ‖θ−θ0‖/‖θ0‖", "", "| overall | " + " | ".join(p["by_module"]) + " |",
+                      "|---|" + "---|" * len(p["by_module"]),
+                      f"| {_f(p['overall'], 4)} | " + " | ".join(_f(v, 4) for v in p["by_module"].values()) + " |", ""]
+            if p["by_layer"]:
+                lines += ["per layer: " + ", ".join(f"{layer} {_f(v, 4)}" for layer, v in p["by_layer"].items()), ""]
+        if d.get("response"):
+            lines += ["## Response drift vs base (fixed prompts, 1 sample each)", "",
+                      "| set | prompts | MMD² | MMD² floor (base vs base) | bandwidth | text similarity | identical |",
+                      "|---|---|---|---|---|---|---|"]
+            for name, r in d["response"].items():
+                lines.append(f"| {name} | {r['n_prompts']} | {_f(r['mmd2'], 4)} | {_f(r['mmd2_floor'], 4)} | "
+                             f"{_f(r['bandwidth'])} | {_f(r['text_similarity'])} | {_f(r['identical'])} |")
+            lines.append("")
+        if d.get("artifacts"):
+            lines += ["## Format artifacts (model / base; all eval samples)", "",
+                      "| set | foreign format | repetition | empty answer | mean len (tokens) |", "|---|---|---|---|---|"]
+            for name, a in d["artifacts"].items():
+                m, b = a["model"], a.get("base") or {}
+                lines.append(f"| {name} | " + " | ".join(f"{_f(m[kk])} / {_f(b.get(kk))}" for kk in
+                                                         ("foreign_format", "repetition", "empty_answer"))
+                             + f" | {_f(m['mean_len'], 1)} / {_f(b.get('mean_len'), 1)} |")
+            lines.append("")
+    curve = report.get("stage_drift")
+    if curve:
+        sets = list(curve[0]["response"] or curve[0]["artifacts"])
+        lines += ["## Drift per stage snapshot", "", "| stage | param drift | " +
+                  " | ".join(f"MMD² {s} | sim {s} | foreign {s} | loop {s} | empty {s}" for s in sets) + " |",
+                  "|---|---|" + "---|---|---|---|---|" * len(sets)]
+        for st in curve:
+            cells = []
+            for s in sets:
+                r, a = st["response"].get(s, {}), st["artifacts"].get(s, {})
+                cells += [_f(r.get("mmd2"), 4), _f(r.get("text_similarity")), _f(a.get("foreign_format")),
+                          _f(a.get("repetition")), _f(a.get("empty_answer"))]
+            lines.append(f"| {st['stage']}: {st['name']} | {_f((st['param'] or {}).get('overall'), 4)} | "
+                         + " | ".join(cells) + " |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def pyplot():
+    """matplotlib.pyplot on the Agg backend, or a UserError saying how to get it."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise train.UserError("plots=True needs matplotlib: pip install matplotlib (or run with --plots=False)") from None
+    return plt
+
+
+def write_plots(report, stem):
+    """PNG heatmap of the accuracy matrix and drift curves over stages; returns the paths written."""
+    plt = pyplot()
+    paths = []
+    c = report.get("continual")
+    if c and c["rows"]:
+        labels = (["base"] if c.get("base") else []) + [f"{i + 1}: {s}" for i, s in enumerate(c["stages"])]
+        grid = ([[c["base"].get(s, float("nan")) for s in c["eval_sets"]]] if c.get("base") else []) + c["rows"]
+        fig, ax = plt.subplots(figsize=(1.2 * len(c["eval_sets"]) + 3, 0.6 * len(labels) + 2))
+        im = ax.imshow(grid, cmap="viridis", vmin=0, vmax=1, aspect="auto")
+        ax.set_xticks(range(len(c["eval_sets"])), c["eval_sets"], rotation=30, ha="right")
+        ax.set_yticks(range(len(labels)), labels)
+        for i, row in enumerate(grid):
+            for j, v in enumerate(row):
+                ax.text(j, i, f"{v:.2f}", ha="center", va="center", color="w" if v < 0.6 else "k")
+        ax.set_xlabel("eval set")
+        ax.set_ylabel("after stage")
+        fig.colorbar(im, ax=ax, label="accuracy")
+        fig.tight_layout()
+        paths.append(stem + "_matrix.png")
+        fig.savefig(paths[-1], dpi=120)
+        plt.close(fig)
+    curve = report.get("stage_drift")
+    if curve:
+        x = [0] + [st["stage"] for st in curve]
+        sets = list(curve[0]["artifacts"])
+        fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+        axes[0].plot(x, [0.0] + [(st["param"] or {}).get("overall") or 0.0 for st in curve], marker="o")
+        axes[0].set_title("parameter drift ‖θ−θ0‖/‖θ0‖")
+        for s in sets:
+            line = axes[1].plot(x[1:], [st["response"].get(s, {}).get("mmd2") for st in curve], marker="o", label=s)
+            floor = ((report.get("drift") or {}).get("response") or {}).get(s, {}).get("mmd2_floor")
+            if floor is not None:
+                axes[1].axhline(floor, ls="--", lw=1, color=line[0].get_color())
+            base_rate = ((report["drift"] or {}).get("base_drift_artifacts") or {}).get(s, {}).get("foreign_format") or 0.0
+            axes[2].plot(x, [base_rate] + [st["artifacts"][s]["foreign_format"] or 0.0 for st in curve], marker="o", label=s)
+        axes[1].set_title("response drift (MMD² vs base; dashed: base-vs-base floor)")
+        axes[2].set_title("foreign answer format rate")
+        for ax in axes:
+            ax.set_xlabel("stage (0 = base)")
+            ax.set_xticks(x)
+        axes[1].legend(fontsize=8)
+        fig.tight_layout()
+        paths.append(stem + "_drift.png")
+        fig.savefig(paths[-1], dpi=120)
+        plt.close(fig)
+    return paths
+
+
+# ----------------------------------------------------------------------------- main
+def main(cfg):
+    from data.common import EVAL_PRESETS
+    from tqdm import tqdm
+    if cfg["n"] < 1 or cfg["batch_prompts"] < 1:
+        raise train.UserError("n and batch_prompts must be >= 1")
+    if cfg["drift_prompts"] == 1 or cfg["drift_prompts"] < 0:
+        raise train.UserError(f"drift_prompts={cfg['drift_prompts']}: MMD needs >= 2 prompts (0 = skip response drift)")
+    if cfg["temperature"] <= 0 or not 0 < cfg["top_p"] <= 1:
+        raise train.UserError("temperature must be > 0 and top_p in (0, 1]")
+    if cfg["dtype"] not in ("auto", "float32", "bfloat16", "float16"):
+        raise train.UserError(f"dtype={cfg['dtype']!r} is not one of auto, float32, bfloat16, float16")
+    ks = parse_ks(cfg["k"], cfg["n"])
+    if cfg["plots"]:
+        pyplot()  # fail now, not after the evaluation
+    run = read_run(cfg["run_dir"]) if cfg["run_dir"] else None
+    state = (run or {}).get("state") or {}
+    run_cfg = state.get("config") or {}
+    model_path = cfg["model"] or (os.path.join(cfg["run_dir"], "ckpt") if run else "")
+    if not model_path:
+        raise train.UserError("nothing to evaluate: give --run_dir=<train.py out_dir> or --model=<checkpoint or HF id>")
+    base_path = cfg["base_model"] or state.get("base_init") or ""
+    if base_path == "none":
+        base_path = ""
+    if not cfg["max_new_tokens"]:
+        cfg["max_new_tokens"] = run_cfg.get("max_new_tokens", 2048)
+    names = parse_eval_sets(cfg["eval_sets"], EVAL_PRESETS) or list(((run or {}).get("matrix") or {}).get("eval_sets", []))
+    if not names:
+        raise train.UserError("no eval sets: give --eval_sets=a,b or a preset (" + ", ".join(EVAL_PRESETS) + ")")
+    sets = {}
+    for name in names:
+        tasks = train.load_tasks(name, "test", cfg["data_dir"])
+        sets[name] = tasks[:cfg["max_prompts"]] if cfg["max_prompts"] > 0 else tasks
+    drift_sets = {name: tasks[:cfg["drift_prompts"]] for name, tasks in sets.items()} if cfg["drift_prompts"] else {}
+    out_path = cfg["out"] or (os.path.join(cfg["run_dir"], "eval.json") if run else "eval.json")
+    dev = train.pick_device(cfg["device"])
+    autocast = train.make_autocast(dev, cfg["dtype"])
+
+    report = {"config": cfg, "model": model_path, "base_model": base_path or None, "eval_sets": names, "ks": ks}
+    # the base model first: it embeds every response for response drift
+    base = None
+    base_scores = {}
+    if base_path:
+        print(f"base model: {base_path}", flush=True)
+        base_model_, base_tok = load(base_path, run_cfg, dev)
+        base_scores = score_sets(base_model_, base_tok, sets, cfg, ks, autocast, "base")
+        base = {"model": base_model_, "tokenizer": base_tok, "state": base_model_.state_dict(),
+                "drift_texts": drift_responses(base_model_, base_tok, drift_sets, cfg, autocast), "drift_emb": {},
+                "mmd2_floor": {}}
+        floor_a = drift_responses(base_model_, base_tok, drift_sets, cfg, autocast, seed_offset=1)
+        floor_b = drift_responses(base_model_, base_tok, drift_sets, cfg, autocast, seed_offset=2)
+        for name, tasks in drift_sets.items():
+            emb = [embed_responses(base_model_, base_tok, [t["messages"] for t in tasks], texts[name], dev,
+                                   enable_thinking=cfg["enable_thinking"], autocast=autocast)
+                   for texts in (base["drift_texts"], floor_a, floor_b)]
+            base["drift_emb"][name] = emb[0]
+            base["mmd2_floor"][name] = mmd_rbf(emb[1], emb[2], bandwidth(emb[0], emb[1])) if len(tasks) >= 2 else None
+    print(f"model: {model_path}", flush=True)
+    model_, tokenizer = load(model_path, run_cfg, dev)
+    scores = score_sets(model_, tokenizer, sets, cfg, ks, autocast, "model")
+
+    report["accuracy"] = {name: {"n_prompts": len(sets[name]), "model": scores[name]["metrics"],
+                                 "base": base_scores[name]["metrics"] if base else None,
+                                 "delta": delta(scores[name]["metrics"], base_scores[name]["metrics"]) if base else None}
+                          for name in names}
+    avg = {who: {key: _mean([report["accuracy"][s][who][key] for s in names]) for key in scores[names[0]]["metrics"]}
+           for who in (("model", "base") if base else ("model",))}
+    report["accuracy_avg"] = {"model": avg["model"], "base": avg.get("base"),
+                              "delta": delta(avg["model"], avg["base"]) if base else None}
+    matrix = (run or {}).get("matrix")
+    report["continual"] = {**matrix, **continual_metrics(matrix)} if matrix and matrix.get("rows") else None
+
+    drift, texts = drift_of(model_, tokenizer, base, drift_sets, cfg, dev, autocast)
+    drift["artifacts"] = {name: {"model": scores[name]["artifacts"], "base": base_scores[name]["artifacts"] if base else None}
+                          for name in names}
+    drift["drift_artifacts"] = {name: artifacts_of(tokenizer, tasks, [[t] for t in texts[name]])
+                                for name, tasks in drift_sets.items()}
+    if base:
+        drift["base_drift_artifacts"] = {name: artifacts_of(base["tokenizer"], tasks, [[t] for t in base["drift_texts"][name]])
+                                         for name, tasks in drift_sets.items()}
+    drift["examples"] = {name: [{"prompt": tasks[i]["messages"][-1]["content"], "model": texts[name][i],
+                                 "base": base["drift_texts"][name][i] if base else None}
+                                for i in range(min(3, len(tasks)))] for name, tasks in drift_sets.items()}
+    report["drift"] = drift
+    del model_
+
+    report["stage_drift"] = []
+    if run and cfg["stage_drift"] and run["snapshots"]:
+        for i, name, path in tqdm(run["snapshots"], desc="stage snapshots"):
+            snap, snap_tok = load(path, run_cfg, dev)
+            d, _ = drift_of(snap, snap_tok, base, drift_sets, cfg, dev, autocast)
+            report["stage_drift"].append({"stage": i, "name": name, "path": path, **d})
+            del snap
+
+    md = markdown(report)
+    print(md)
+    os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
+    stem = out_path[:-5] if out_path.endswith(".json") else out_path
+    if cfg["plots"]:
+        report["plots"] = write_plots(report, stem)
+    tmp = out_path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(report, f, indent=1, default=float)
+    os.replace(tmp, out_path)
+    with open(stem + ".md", "w") as f:
+        f.write(md + "\n")
+    print(f"wrote {out_path} and {stem}.md" + "".join(f" and {p}" for p in report.get("plots", [])))
+
+
+if __name__ == "__main__":
+    try:
+        main(configure(globals(), sys.argv[1:], __file__))
+    except train.UserError as e:
+        sys.exit(f"error: {e}")

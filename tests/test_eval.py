@@ -1,0 +1,312 @@
+"""eval.py: continual metrics, MMD, parameter drift, format artifacts, pass@k, and a run end to end."""
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import ROOT, TINY, run_train
+
+import eval as ev
+import train
+
+
+# ----------------------------------------------------------------------------- continual metrics
+MATRIX = {"eval_sets": ["A", "B", "C"], "stages": ["A", "B", "C"], "base": {"A": 0.1, "B": 0.2, "C": 0.3},
+          "rows": [[0.8, 0.3, 0.3],
+                   [0.6, 0.9, 0.4],
+                   [0.5, 0.7, 0.95]]}
+
+
+def test_continual_metrics_on_a_hand_made_matrix():
+    c = ev.continual_metrics(MATRIX)
+    assert c["avg_final"] == pytest.approx((0.5 + 0.7 + 0.95) / 3)
+    # A and B were trained on before the last stage; C only in the last one: no forgetting defined
+    assert c["forgetting"]["A"] == pytest.approx(0.8 - 0.5)
+    assert c["forgetting"]["B"] == pytest.approx(0.9 - 0.7)
+    assert c["forgetting"]["C"] is None
+    assert c["avg_forgetting"] == pytest.approx(0.25)
+    # max drop covers every set, the base included
+    assert c["max_drop"] == pytest.approx({"A": 0.3, "B": 0.2, "C": 0.4 - 0.95})
+    assert c["bwt"] == pytest.approx(((0.5 - 0.8) + (0.7 - 0.9)) / 2)   # -0.25
+    assert c["fwt"] == pytest.approx(((0.3 - 0.2) + (0.4 - 0.3)) / 2)   # 0.1
+    assert c["gain"] == pytest.approx([0.8 - 0.1, 0.9 - 0.3, 0.95 - 0.4])
+    assert c["stage_columns"] == [[0], [1], [2]]
+
+
+def test_continual_metrics_mixed_stage_unevaluated_stage_and_single_stage():
+    m = {"eval_sets": ["A", "B", "C"], "stages": ["A+B", "D", "C"], "base": {"A": 0.0, "B": 0.0, "C": 0.2},
+         "rows": [[0.6, 0.4, 0.2], [0.5, 0.2, 0.3], [0.3, 0.1, 0.9]]}
+    c = ev.continual_metrics(m)
+    assert c["stage_columns"] == [[0, 1], [], [2]]
+    # stage 'A+B' contributes the mean over its two sets; stage 'D' (not evaluated) is skipped
+    assert c["bwt"] == pytest.approx(((0.3 - 0.6) + (0.1 - 0.4)) / 2)
+    assert c["fwt"] == pytest.approx(0.3 - 0.2)
+    assert c["forgetting"]["A"] == pytest.approx(0.3) and c["forgetting"]["B"] == pytest.approx(0.3)
+    assert c["forgetting"]["C"] is None and c["gain"][1] is None
+    one = ev.continual_metrics({"eval_sets": ["A", "B"], "stages": ["A"], "base": {"A": 0.1, "B": 0.5},
+                                "rows": [[0.7, 0.4]]})
+    assert one["avg_final"] == pytest.approx(0.55)
+    assert one["bwt"] is None and one["fwt"] is None and one["avg_forgetting"] is None
+    assert one["forgetting"] == {"A": None, "B": None}
+    assert one["max_drop"] == pytest.approx({"A": 0.1 - 0.7, "B": 0.1})
+
+
+# ----------------------------------------------------------------------------- MMD
+def brute_mmd2(x, y, sigma):
+    k = lambda a, b: math.exp(-float(((a - b) ** 2).sum()) / (2 * sigma ** 2))  # noqa: E731
+    m, n = len(x), len(y)
+    xx = sum(k(x[i], x[j]) for i in range(m) for j in range(m) if i != j) / (m * (m - 1))
+    yy = sum(k(y[i], y[j]) for i in range(n) for j in range(n) if i != j) / (n * (n - 1))
+    xy = sum(k(x[i], y[j]) for i in range(m) for j in range(n)) / (m * n)
+    return xx + yy - 2 * xy
+
+
+def test_mmd_is_near_zero_for_same_samples_and_positive_for_shifted_ones():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 8, generator=g)
+    y = torch.randn(64, 8, generator=g)
+    same = ev.mmd_rbf(x, x)
+    assert abs(same) < 2 / 64  # unbiased: exactly -2(1 - mean off-diagonal k)/m for y = x
+    assert abs(ev.mmd_rbf(x, y)) < 0.03
+    shifted = ev.mmd_rbf(x, y + 1.5)
+    assert shifted > 0.2 and shifted > 10 * abs(ev.mmd_rbf(x, y))
+    sigma = ev.median_heuristic(torch.cat([x, y]))
+    assert ev.mmd_rbf(x, y + 3.0, sigma) > ev.mmd_rbf(x, y + 1.5, sigma) > 0.2  # further apart, larger (one kernel)
+    x, y = x.double(), y.double()
+    assert ev.mmd_rbf(x[:6], y[:5] + 1, sigma) == pytest.approx(brute_mmd2(x[:6], y[:5] + 1, sigma), rel=1e-9)
+    with pytest.raises(ValueError):
+        ev.mmd_rbf(x[:1], y)
+
+
+def test_median_heuristic():
+    assert ev.median_heuristic(torch.tensor([[0.0], [1.0], [3.0]])) == pytest.approx(2.0)  # distances 1, 3, 2
+    assert ev.median_heuristic(torch.tensor([[0.0, 0.0], [3.0, 4.0]])) == pytest.approx(5.0)
+    assert ev.median_heuristic(torch.zeros(4, 3)) is None  # all points coincide
+    assert ev.median_heuristic(torch.zeros(1, 3)) is None
+    assert ev.mmd_rbf(torch.zeros(3, 2), torch.zeros(3, 2)) == pytest.approx(0.0)  # sigma falls back to 1
+
+
+def test_text_similarity():
+    assert ev.text_similarity(["abc", "xyz"], ["abc", "xyz"]) == 1.0
+    assert ev.text_similarity(["abcd"], ["wxyz"]) == 0.0
+    assert ev.text_similarity(["abcd"], ["abce"]) == pytest.approx(0.75)
+    assert ev.text_similarity([], []) is None
+
+
+# ----------------------------------------------------------------------------- parameter drift
+def tiny_model(seed=0):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    torch.manual_seed(seed)
+    return Qwen2ForCausalLM(Qwen2Config(vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                        num_attention_heads=2, num_key_value_heads=2, tie_word_embeddings=True))
+
+
+def test_param_drift_unchanged_is_zero_and_perturbed_matches_hand_computation():
+    model = tiny_model()
+    base = {k: v.clone() for k, v in model.state_dict().items()}
+    d = ev.param_drift(model.state_dict(), model.state_dict())
+    assert d["overall"] == 0 and set(d["by_layer"]) == {"0", "1"}
+    assert all(v == 0 for v in list(d["by_layer"].values()) + list(d["by_module"].values()))
+    assert set(d["by_module"]) == {"attn_q", "attn_k", "attn_v", "attn_o", "mlp", "norm", "embed"}
+
+    # perturb layer 1's q_proj weight and compare with a norm computed by hand
+    params = dict(model.named_parameters())  # tied embedding / LM head listed once
+    w = params["model.layers.1.self_attn.q_proj.weight"]
+    delta = 0.01 * torch.randn(w.shape, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        w += delta
+
+    def norm(names):
+        return math.sqrt(sum(float(base[n].double().pow(2).sum()) for n in names))
+
+    d = ev.param_drift(model.state_dict(), base)
+    dn = float(delta.double().norm())
+    assert d["overall"] == pytest.approx(dn / norm(params))  # tied LM head not double-counted
+    assert d["by_module"]["attn_q"] == pytest.approx(dn / norm([n for n in params if "q_proj" in n]))
+    assert d["by_layer"]["1"] == pytest.approx(dn / norm([n for n in params if ".layers.1." in n]))
+    assert d["by_layer"]["0"] == 0 and d["by_module"]["mlp"] == 0 and d["by_module"]["embed"] == 0
+
+
+def test_param_drift_on_plain_state_dicts_and_mismatch():
+    d = ev.param_drift({"model.layers.3.mlp.up_proj.weight": torch.tensor([3.0, 5.0])},
+                       {"model.layers.3.mlp.up_proj.weight": torch.tensor([3.0, 4.0])})
+    assert d["overall"] == pytest.approx(0.2) and d["by_layer"] == {"3": pytest.approx(0.2)}
+    assert d["by_module"] == {"mlp": pytest.approx(0.2)}
+    with pytest.raises(train.UserError, match="same architecture"):
+        ev.param_drift({"a": torch.zeros(2)}, {"b": torch.zeros(2)})
+    with pytest.raises(train.UserError, match="same architecture"):
+        ev.param_drift({"a": torch.zeros(3)}, {"a": torch.zeros(2)})
+
+
+def test_module_type():
+    assert ev.module_type("model.layers.0.self_attn.k_proj.bias") == "attn_k"
+    assert ev.module_type("model.layers.0.self_attn.o_proj.weight") == "attn_o"
+    assert ev.module_type("model.layers.0.self_attn.q_norm.weight") == "norm"  # Qwen3
+    assert ev.module_type("model.layers.0.mlp.down_proj.weight") == "mlp"
+    assert ev.module_type("model.norm.weight") == "norm"
+    assert ev.module_type("lm_head.weight") == "embed"
+    assert ev.module_type("model.embed_tokens.weight") == "embed"
+
+
+# ----------------------------------------------------------------------------- format artifacts
+def test_foreign_formats():
+    assert ev.foreign_formats("so <answer>abc</answer>", "exact") == []
+    assert ev.foreign_formats("\\boxed{abc}", "exact") == ["boxed"]
+    assert ev.foreign_formats("\\boxed{B}", "mcq") == ["boxed"]
+    assert ev.foreign_formats("\\boxed{12}", "math") == []
+    assert ev.foreign_formats("<answer>12</answer>", "math") == ["answer_tag"]
+    assert ev.foreign_formats("Action: search\nAction Input: {}\n\\boxed{1}", "math") == ["tool_call"]
+    assert ev.foreign_formats("Action: search\nAction Input: {}", "tool") == []
+    assert ev.foreign_formats("<answer>x</answer> \\boxed{1}", "tool") == ["boxed", "answer_tag"]
+    assert ev.foreign_formats("\\boxed{1}", "unknown-kind") == []
+
+
+def test_repetition_loop():
+    assert ev.repetition_loop("\\boxed{1}" * 4)
+    assert ev.repetition_loop("1" * 16)
+    assert ev.repetition_loop("so the answer is " + "the the " * 4)
+    assert not ev.repetition_loop("\\boxed{1111}")  # a short natural run
+    assert not ev.repetition_loop("\\boxed{1}" * 2)
+    assert not ev.repetition_loop("|---|---|---|---|---|---|")  # no letter or digit in the unit
+    assert not ev.repetition_loop("")
+    prose = " ".join(f"word{i}" for i in range(200))
+    assert not ev.repetition_loop(prose)
+    sentence = "We compute the sum of the two numbers and then carry the one over. "  # > 40 characters
+    assert ev.repetition_loop("First, " + sentence * 5)  # caught by the 4-gram test
+    assert ev.repetition_loop("x" * 100_000)  # bounded time on long strings
+
+
+def test_final_answer_and_artifact_rates():
+    assert ev.final_answer("\\boxed{12}", "math") == "12"
+    assert ev.final_answer("\\boxed{}", "math") is None
+    assert ev.final_answer("12", "math") is None
+    assert ev.final_answer("<answer>abc</answer>", "exact") == "abc"
+    assert ev.final_answer("<answer> </answer>", "exact") is None
+    assert ev.final_answer("<answer>abc", "exact") is None
+    assert ev.final_answer("so the answer is (B)", "mcq") == "B"
+    assert ev.final_answer("\\boxed{C}", "mcq") == "C"
+    assert ev.final_answer("Action: search\nAction Input: {\"q\": 1}", "tool") == "search"
+    assert ev.final_answer("", "tool") is None
+    texts = ["\\boxed{12}", "<answer>12</answer>", "1" * 20, "", "<answer>abc</answer>", "\\boxed{abc}"]
+    kinds = ["math"] * 4 + ["exact"] * 2
+    a = ev.format_artifacts(texts, kinds, [4, 6, 20, 0, 5, 5])
+    assert a["n"] == 6
+    assert a["foreign_format"] == pytest.approx(2 / 6)   # <answer> in math, \boxed in exact
+    assert a["repetition"] == pytest.approx(1 / 6)
+    assert a["empty_answer"] == pytest.approx(4 / 6)  # math without \boxed (3), exact without <answer> (1)
+    assert a["mean_len"] == pytest.approx(40 / 6)
+    assert a["formats"] == pytest.approx({"boxed": 2 / 6, "answer_tag": 2 / 6, "tool_call": 0.0})
+    assert ev.format_artifacts([], [], [])["foreign_format"] is None
+
+
+# ----------------------------------------------------------------------------- pass@k
+def test_pass_at_k_sanity():
+    scores = [[1, 0, 0, 1], [0, 0, 0, 0], [1, 1, 1, 1], [0, 0, 1, 0]]
+    s = ev.accuracy_summary(scores, [1, 2, 4, 8])
+    assert s["mean@4"] == pytest.approx(7 / 16)
+    assert s["pass@1"] == pytest.approx(s["mean@4"])  # k = 1 is the mean accuracy
+    assert s["pass@4"] == pytest.approx(3 / 4)  # k = n: any correct
+    assert s["pass@2"] == pytest.approx(((1 - 1 / 6) + 0 + 1 + 0.5) / 4)  # 1 - C(n-c,2)/C(n,2)
+    assert "pass@8" not in s  # k > n is dropped
+    for n in range(1, 9):
+        for c in range(n + 1):
+            assert train.pass_at_k(n, c, 1) == pytest.approx(c / n)
+            assert train.pass_at_k(n, c, n) == (1.0 if c else 0.0)
+            assert all(train.pass_at_k(n, c, k) <= train.pass_at_k(n, c, k + 1) + 1e-12 for k in range(1, n))
+    assert ev.parse_ks("16,1,4", 4) == [1, 4] and ev.parse_ks("16", 2) == [2]
+    with pytest.raises(train.UserError):
+        ev.parse_ks("1,x", 4)
+
+
+def test_parse_eval_sets_expands_presets():
+    presets = {"math": ["math500", "aime"], "tool": ["tooluse"]}
+    assert ev.parse_eval_sets("math,toy/add,aime", presets) == ["math500", "aime", "toy/add"]
+    assert ev.parse_eval_sets("", presets) == []
+    from data.common import EVAL_PRESETS
+    assert ev.parse_eval_sets("paper", EVAL_PRESETS) == EVAL_PRESETS["paper"]
+
+
+# ----------------------------------------------------------------------------- embeddings, plots
+def test_embed_responses_on_a_tiny_model(toy_data):
+    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+    tok = AutoTokenizer.from_pretrained(os.path.join(toy_data, "toy", "tokenizer"))
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=2))
+    msgs = [[{"role": "user", "content": q}] for q in ("12+30", "sort cab", "12+30")]
+    e = ev.embed_responses(model, tok, msgs, ["\\boxed{42}", "<answer>abc</answer>", "\\boxed{42}"],
+                           torch.device("cpu"), batch=2)
+    assert e.shape == (3, 32) and e.dtype == torch.float32
+    assert torch.allclose(e[0], e[2], atol=1e-5)  # same prompt and text, across batches: same embedding
+    assert not torch.allclose(e[0], e[1])
+    empty = ev.embed_responses(model, tok, msgs[:1], [""], torch.device("cpu"))  # EOS only: still defined
+    assert torch.isfinite(empty).all()
+
+
+def test_plots_need_matplotlib(tmp_path):
+    report = {"continual": {**MATRIX, **ev.continual_metrics(MATRIX)}, "stage_drift": [], "drift": {}}
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        with pytest.raises(train.UserError, match="pip install matplotlib"):
+            ev.write_plots(report, str(tmp_path / "eval"))
+        return
+    paths = ev.write_plots(report, str(tmp_path / "eval"))
+    assert paths and all(os.path.getsize(p) > 0 for p in paths)
+
+
+# ----------------------------------------------------------------------------- end to end
+def test_two_stage_run_then_eval(toy_data, tmp_path):
+    run = str(tmp_path / "run")
+    run_train("config/toy_base.py", *TINY, "--learning_rate=1e-2", "--stages=toy/add:2,toy/sort:2",
+              "--eval_sets=toy/add,toy/sort", f"--out_dir={run}")
+    assert os.path.exists(os.path.join(run, "accuracy_matrix.json"))
+    assert os.path.isdir(os.path.join(run, "stage1_toy_add")) and os.path.isdir(os.path.join(run, "stage2_toy_sort"))
+    proc = subprocess.run([sys.executable, "eval.py", f"--run_dir={run}", "--n=2", "--k=1,2", "--max_prompts=4",
+                           "--drift_prompts=4", "--eval_sets=toy/add,toy/sort"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    with open(os.path.join(run, "eval.json")) as f:
+        r = json.load(f)
+    assert {"config", "model", "base_model", "eval_sets", "accuracy", "accuracy_avg", "continual", "drift",
+            "stage_drift"} <= set(r)
+    assert r["base_model"] == "scratch" and r["eval_sets"] == ["toy/add", "toy/sort"]
+    for name in ("toy/add", "toy/sort"):
+        acc = r["accuracy"][name]
+        assert set(acc["model"]) == {"mean@2", "pass@1", "pass@2"} and acc["n_prompts"] == 4
+        assert acc["delta"]["mean@2"] == pytest.approx(acc["model"]["mean@2"] - acc["base"]["mean@2"])
+        resp = r["drift"]["response"][name]
+        assert {"mmd2", "bandwidth", "text_similarity"} <= set(resp) and resp["n_prompts"] == 4
+        assert {"foreign_format", "repetition", "empty_answer", "mean_len"} <= set(r["drift"]["artifacts"][name]["model"])
+    assert r["drift"]["param"]["overall"] > 0
+    c = r["continual"]
+    assert c["stages"] == ["toy/add", "toy/sort"] and len(c["rows"]) == 2
+    assert {"avg_final", "forgetting", "bwt", "fwt"} <= set(c)
+    curve = r["stage_drift"]
+    assert [s["stage"] for s in curve] == [1, 2] and [s["name"] for s in curve] == ["toy/add", "toy/sort"]
+    assert 0 < curve[0]["param"]["overall"] and curve[1]["param"]["overall"] == pytest.approx(r["drift"]["param"]["overall"])
+    with open(os.path.join(run, "eval.md")) as f:
+        md = f.read()
+    for heading in ("## Accuracy", "## Continual", "## Parameter drift", "## Response drift", "## Format artifacts",
+                    "## Drift per stage snapshot"):
+        assert heading in md
+    assert "## Accuracy" in proc.stdout  # the table is printed too
+
+
+def test_user_errors(tmp_path):
+    cfg = {key: getattr(ev, key) for key in ("run_dir", "model", "base_model", "eval_sets", "n", "k", "temperature",
+                                            "top_p", "max_new_tokens", "max_prompts", "drift_prompts", "batch_prompts",
+                                            "stage_drift", "out", "seed", "device", "dtype", "data_dir",
+                                            "enable_thinking", "plots")}
+    with pytest.raises(train.UserError, match="nothing to evaluate"):
+        ev.main(dict(cfg))
+    with pytest.raises(train.UserError, match="not a folder"):
+        ev.main(dict(cfg, run_dir=str(tmp_path / "missing")))
+    with pytest.raises(train.UserError, match="train.py out_dir"):
+        ev.main(dict(cfg, run_dir=str(tmp_path)))
+    with pytest.raises(train.UserError, match="MMD needs"):
+        ev.main(dict(cfg, model="x", drift_prompts=1))
