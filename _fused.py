@@ -119,21 +119,21 @@ def naive_token_loss(hidden, weight, tokens, loss_fn, teacher=None, div_rows=Non
     return loss, stats
 
 
-def _logits_into(buf, parts, transposed):
-    """sum_i h_i @ w_i.T for parts [(h_i [c, H], w_i [V, H])], written into the
-    flat buffer buf; returns a [c, V] view. transposed=True computes the
-    [V, c] product W @ h.T instead (MKL is much faster at it for few rows) and
-    returns its transpose, a [c, V] view with strides (1, c)."""
+def _logits_into(buf, parts, transposed=False):
+    """sum_i h_i @ w_i.T over parts [(h_i [c, H], w_i [V, H])], written into the
+    flat buffer buf; returns it as a [c, V] view. transposed=True computes the
+    [V, c] product w @ h.T instead (MKL is ~1.4x faster at it for few rows) and
+    returns its transpose, a [c, V] view with strides (1, c): fine for
+    elementwise ops, reductions and gathers, slow for topk."""
     c, V = parts[0][0].shape[0], parts[0][1].shape[0]
-    if transposed:
-        out = buf[: c * V].view(V, c)
-        for i, (h, w) in enumerate(parts):
-            torch.mm(w, h.T, out=out) if i == 0 else out.addmm_(w, h.T)
-        return out.T
-    out = buf[: c * V].view(c, V)
+    out = buf[: c * V].view(V, c) if transposed else buf[: c * V].view(c, V)
     for i, (h, w) in enumerate(parts):
-        torch.mm(h, w.T, out=out) if i == 0 else out.addmm_(h, w.T)
-    return out
+        a, b = (w, h.T) if transposed else (h, w.T)
+        if i == 0:
+            torch.mm(a, b, out=out)
+        else:
+            out.addmm_(a, b)
+    return out.T if transposed else out
 
 
 class _FusedTokenLoss(torch.autograd.Function):
@@ -145,32 +145,35 @@ class _FusedTokenLoss(torch.autograd.Function):
                 alpha, distill, topk, tail, temperature, chunk_size):
         N, H = hidden.shape
         V = weight.shape[0]
-        dev = hidden.device
-        dt = _compute_dtype(hidden.dtype)
+        dev, dt = hidden.device, _compute_dtype(hidden.dtype)
         need_gh, need_gw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         tokens = tokens.long()
-        w = weight.detach().to(dt)  # no copy when weight is already fp32
-        teacher = [(h_t.detach(), w_t.detach().to(dt), float(coef)) for h_t, w_t, coef in teacher or []]
+        full = distill == "full"
         k = min(topk, V) if distill == "topk" else 0
-        transposed = dev.type == "cpu" if __import__("os").environ.get("FL") is None else __import__("os").environ["FL"] == "1"
+        w = weight.detach().to(dt)  # no copy when weight is already in dt
+        # teacher parts (hidden, weight, coef / T): the scale goes on the
+        # [rows, H] hidden states, not on [rows, V] logits
+        teacher = [(h_t.detach(), w_t.detach().to(dt), float(coef) / temperature)
+                   for h_t, w_t, coef in teacher or []]
 
         grad_h = torch.empty(N, H, dtype=dt, device=dev) if need_gh else None
         grad_w = torch.zeros(V, H, dtype=dt, device=dev) if need_gw else None
-        logp_all = torch.zeros(N, dtype=dt, device=dev)
-        div_all = torch.zeros(N, dtype=dt, device=dev)
-        tlogp_all = torch.zeros(N, dtype=dt, device=dev)
+        logp_all, div_all, tlogp_all = (torch.zeros(N, dtype=dt, device=dev) for _ in range(3))
         total = torch.zeros((), dtype=dt, device=dev)
-        div_mask_cpu = div_mask.cpu()  # one host sync, then per-chunk row lists are free
-        # [chunk, V] buffers reused by every chunk: no allocation (nor, on CPU,
-        # page faults of freshly mmapped memory) per chunk
+        div_mask_cpu = div_mask.cpu()  # one host sync; per-chunk row lists are then free
+        # [chunk, V] buffers for the student's and the teacher's logits, reused by
+        # every chunk (no allocation, and on CPU no page faults of freshly
+        # mmapped memory, per chunk)
         c_max = min(chunk_size, N)
         z_buf = torch.empty(c_max * V, dtype=dt, device=dev)
-        t_buf = torch.empty(c_max * V, dtype=dt, device=dev) if bool(div_mask_cpu.any()) else None
+        t_buf = torch.empty(c_max * V, dtype=dt, device=dev) if div_mask_cpu.any() else None
+        # on CPU the teacher's logits are computed transposed (faster); their
+        # strided view is fine for all the teacher needs (gathers, max, exp, sum)
+        t_transposed = dev.type == "cpu" and not full
 
         for a in range(0, N, chunk_size):
             b = min(a + chunk_size, N)
             c = b - a
-            # temperature folded into the (small) hidden chunk instead of the [c, V] logits
             h = hidden[a:b].detach().to(dt) / temperature
             y = tokens[a:b, None]
             d_local = div_mask_cpu[a:b].nonzero().squeeze(1)
@@ -178,60 +181,57 @@ class _FusedTokenLoss(torch.autograd.Function):
             all_div = nd == c
             d_idx = d_local.to(dev)
 
-            # ---- student logits / T, [c, V]
-            z = _logits_into(z_buf, [(h, w)], transposed)
+            # ---- student: logits / T [c, V]; log-probs are (z - max) - log_norm,
+            # computed in that order so they are precise near the max
+            z = _logits_into(z_buf, [(h, w)])
             z_y = z.gather(1, y).squeeze(1)
-            if distill == "full":
-                # z <- s = log-probs (needed over the whole vocab); p = exp(s)
-                # becomes the gradient buffer
-                lse = torch.logsumexp(z, 1)
-                z.sub_(lse[:, None])
-                p = z.exp()
-                p_norm = None  # p is normalised
+            if k and nd:
+                z_k, top_idx = torch.topk(z if all_div else z[d_idx], k, dim=1)
+            # the top-1 of the top-k is the row max: saves a pass over z
+            z_max = z_k[:, 0] if k and all_div else z.amax(1)
+            z.sub_(z_max[:, None])
+            if full:
+                log_norm = torch.logsumexp(z, 1)
+                s_all = z.sub_(log_norm[:, None])  # log-probs, needed over the whole vocab
+                p = s_all.exp()
             else:
-                if k and nd:
-                    zk, top_idx = torch.topk(z if all_div else z[d_idx], k, dim=1)
-                    # the top-1 of the top-k is the row max: saves a pass over z
-                    mx = zk[:, 0] if all_div else z.amax(1)
-                else:
-                    mx = z.amax(1)
-                # z <- exp(z - max) in place: unnormalised probs, p = z / p_norm
-                p = z.sub_(mx[:, None]).exp_()
-                p_norm = p.sum(1)
-                lse = mx + p_norm.log()
-            logp = z_y - lse
+                p = z.exp_()  # in place: unnormalised probs exp(z - max)
+                log_norm = p.sum(1).log()
+            del z
+            logp = z_y - z_max - log_norm
 
-            # ---- teacher (log-probs at y, and what the divergence needs), div rows only
+            # ---- teacher, div rows only: log-prob at y, logits at the student's top-k
             tlogp = torch.zeros(c, dtype=dt, device=dev)
             div = torch.zeros(c, dtype=dt, device=dev)
             if nd:
-                rows_g = d_idx + a
-                zt = _logits_into(t_buf, [(h_t[rows_g].to(dt) * (coef / temperature), w_t)
-                                          for h_t, w_t, coef in teacher], transposed)
+                rows = d_idx + a
+                zt = _logits_into(t_buf, [(h_t[rows].to(dt) * s, w_t) for h_t, w_t, s in teacher],
+                                  t_transposed)
                 zt_y = zt.gather(1, y[d_idx]).squeeze(1)
-                if distill == "full":
-                    t_lse = torch.logsumexp(zt, 1)
-                    t = zt.sub_(t_lse[:, None])  # teacher log-probs, [nd, V]
+                if k:
+                    zt_k = zt.gather(1, top_idx)
+                t_max = zt.amax(1)
+                zt.sub_(t_max[:, None])
+                if full:
+                    t_log_norm = torch.logsumexp(zt, 1)
+                    t = zt.sub_(t_log_norm[:, None])  # teacher log-probs [nd, V]
                 else:
-                    if k:
-                        zt_k = zt.gather(1, top_idx)
-                    tmx = zt.amax(1)
-                    t_lse = tmx + zt.sub_(tmx[:, None]).exp_().sum(1).log()
+                    t_log_norm = zt.exp_().sum(1).log()
                 del zt
-                tlogp[d_idx] = zt_y - t_lse
+                tlogp[d_idx] = zt_y - t_max - t_log_norm
 
-            # ---- divergence (and what is needed for its gradient)
+            # ---- divergence (and what its gradient needs)
             if nd and distill == "topk":
                 # small [nd, k] local graph: the divergence as a function of the
                 # student's top-k log-probs s_k
                 with torch.enable_grad():
-                    s_k = (zk - lse[d_idx, None]).requires_grad_()
-                    s_b, t_b = _topk_buckets(s_k, zt_k - t_lse[:, None], tail)
-                    d = _divergence(s_b, t_b, alpha)
+                    s_k = (z_k - z_max[d_idx, None] - log_norm[d_idx, None]).requires_grad_()
+                    t_k = zt_k - t_max[:, None] - t_log_norm[:, None]
+                    d = _divergence(*_topk_buckets(s_k, t_k, tail), alpha)
                 div[d_idx] = d.detach()
-            elif nd and distill == "full":
-                # closed form d div / d z for the div rows, [nd, V]; s is scratch
-                s = z if all_div else z[d_idx]
+            elif nd and full:
+                # closed form d div / d z for the div rows, [nd, V] (s is scratch)
+                s = s_all if all_div else s_all[d_idx]
                 p_d = p if all_div else p[d_idx]
                 if alpha == 0:  # KL(q||p): grad p - q
                     q = t.exp()
@@ -253,7 +253,8 @@ class _FusedTokenLoss(torch.autograd.Function):
                 div[d_idx] = d
             elif nd and distill == "token":
                 div[d_idx] = logp[d_idx] - tlogp[d_idx]
-            del z
+            if full:
+                del s_all
 
             # ---- the caller's loss on the [c] vectors; tiny local autograd for
             # d loss / d logp and d loss / d div
@@ -287,7 +288,7 @@ class _FusedTokenLoss(torch.autograd.Function):
             g_sum = g_logp.clone()
             if g_sk is not None:
                 g_sum[d_idx] += g_sk.sum(1)
-            scale = -g_sum if p_norm is None else -g_sum / p_norm
+            scale = -g_sum if full else -g_sum * torch.exp(-log_norm)  # p is unnormalised
             dz = p.mul_(scale[:, None])  # -p * sum(G), in the p buffer
             dz.scatter_add_(1, y, g_logp[:, None])
             if g_sk is not None:

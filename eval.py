@@ -17,7 +17,20 @@ What it reports (JSON at `out`, default run_dir/eval.json, and a markdown table 
               format, repetition loops, missing final answers, mean length) -- for the model and,
               when run_dir holds per-stage snapshots, for every stage (a curve over stages).
 Response drift uses the first `drift_prompts` test prompts of each set, one response per prompt
-sampled at temperature/top_p with a generator seeded by `seed` (not greedy), for both models.
+sampled at temperature/top_p with a generator seeded by `seed` (not greedy), for both models; the
+responses are embedded by the *base* model (mean-pooled final hidden states over the response
+tokens, read after the prompt), so both sides live in one embedding space.
+
+JSON keys: config, model, base_model, eval_sets, ks,
+  accuracy      {set: {n_prompts, model: {mean@n, pass@k...}, base: {...}, delta: {...}}}
+  accuracy_avg  {model, base, delta} macro-averaged over sets
+  continual     the accuracy matrix (eval_sets, stages, base, rows) + continual_metrics(), or null
+  drift         param {overall, by_layer, by_module}; response {set: {mmd2, mmd2_floor, bandwidth,
+                text_similarity, identical, n_prompts}}; artifacts {set: {model, base}} (every eval
+                sample); drift_artifacts / base_drift_artifacts {set: ...} (the drift responses);
+                examples {set: [{prompt, model, base}]}
+  stage_drift   [{stage, name, path, param, response, artifacts}] per stage snapshot of run_dir
+  plots         the PNG paths (plots=True)
 Same configurator as train.py: `python eval.py --help` lists every key.
 """
 import contextlib
@@ -203,14 +216,18 @@ def median_heuristic(x):
 
 
 def mmd_rbf(x, y, sigma=None):
-    """Unbiased MMD² between samples x [m, D] and y [n, D] (m, n >= 2) with the RBF kernel
-    k(a, b) = exp(−‖a−b‖² / (2σ²)):
+    """Unbiased MMD² (Gretton et al. 2012) between samples x [m, D] and y [n, D] (m, n >= 2) with
+    the RBF kernel k(a, b) = exp(−‖a−b‖² / (2σ²)):
 
-        MMD² = Σ_{i≠i'} k(x_i, x_i') / m(m−1) + Σ_{j≠j'} k(y_j, y_j') / n(n−1) − 2 Σ_{i,j} k(x_i, y_j) / mn
-
-    σ defaults to the median heuristic over the pooled samples (1.0 if all points coincide).
-    ≈ 0 when x and y come from the same distribution (the unbiased estimate can be slightly
-    negative: exactly −2(1 − mean off-diagonal k)/m for y = x), > 0 when they differ."""
+        MMD²_u = Σ_{i≠i'} k(x_i, x_i') / m(m−1) + Σ_{j≠j'} k(y_j, y_j') / n(n−1) − 2·cross
+        cross  = Σ_{i≠j} k(x_i, y_j) / m(m−1)   when m = n (eq. 3 of the paper: the U-statistic over
+                                                 pairs z_i = (x_i, y_i), so rows i are pairs)
+               = Σ_{i,j} k(x_i, y_j) / mn       when m ≠ n
+    With m = n the paired terms k(x_i, y_i) are left out, so the estimate stays unbiased when x_i
+    and y_i are dependent (here: two models' responses to the same prompt with the same seed) and
+    is exactly 0 for y = x. σ defaults to the median heuristic over the pooled samples (1.0 if all
+    points coincide). ≈ 0 (it can be slightly negative) for samples from one distribution, > 0
+    when the distributions differ."""
     x = torch.as_tensor(x, dtype=torch.float64)
     y = torch.as_tensor(y, dtype=torch.float64)
     m, n_ = x.shape[0], y.shape[0]
@@ -222,9 +239,12 @@ def mmd_rbf(x, y, sigma=None):
     def kernel(a, b):
         return torch.exp(-torch.cdist(a, b).pow(2) / (2 * sigma ** 2))
 
-    kxx, kyy, kxy = kernel(x, x), kernel(y, y), kernel(x, y)
-    return ((kxx.sum() - kxx.diagonal().sum()) / (m * (m - 1)) + (kyy.sum() - kyy.diagonal().sum()) / (n_ * (n_ - 1))
-            - 2 * kxy.mean()).item()
+    def off_diagonal_mean(kk):
+        return (kk.sum() - kk.diagonal().sum()) / (kk.shape[0] * (kk.shape[0] - 1))
+
+    kxy = kernel(x, y)
+    cross = off_diagonal_mean(kxy) if m == n_ else kxy.mean()
+    return (off_diagonal_mean(kernel(x, x)) + off_diagonal_mean(kernel(y, y)) - 2 * cross).item()
 
 
 TEXT_SIM_CHARS = 4000  # difflib is quadratic in the worst case: compare at most this many leading characters
@@ -660,7 +680,10 @@ def main(cfg):
     base_scores = {}
     if base_path:
         print(f"base model: {base_path}", flush=True)
-        base_model_, base_tok = load(base_path, run_cfg, dev)
+        try:
+            base_model_, base_tok = load(base_path, run_cfg, dev)
+        except train.UserError as e:
+            raise train.UserError(f"base model: {e} (set --base_model=<folder or HF id>, or --base_model=none)") from None
         base_scores = score_sets(base_model_, base_tok, sets, cfg, ks, autocast, "base")
         base = {"model": base_model_, "tokenizer": base_tok, "state": base_model_.state_dict(),
                 "drift_texts": drift_responses(base_model_, base_tok, drift_sets, cfg, autocast), "drift_emb": {},
@@ -668,9 +691,9 @@ def main(cfg):
         floor_a = drift_responses(base_model_, base_tok, drift_sets, cfg, autocast, seed_offset=1)
         floor_b = drift_responses(base_model_, base_tok, drift_sets, cfg, autocast, seed_offset=2)
         for name, tasks in drift_sets.items():
-            emb = [embed_responses(base_model_, base_tok, [t["messages"] for t in tasks], texts[name], dev,
+            emb = [embed_responses(base_model_, base_tok, [t["messages"] for t in tasks], texts_[name], dev,
                                    enable_thinking=cfg["enable_thinking"], autocast=autocast)
-                   for texts in (base["drift_texts"], floor_a, floor_b)]
+                   for texts_ in (base["drift_texts"], floor_a, floor_b)]
             base["drift_emb"][name] = emb[0]
             base["mmd2_floor"][name] = mmd_rbf(emb[1], emb[2], bandwidth(emb[0], emb[1])) if len(tasks) >= 2 else None
     print(f"model: {model_path}", flush=True)
@@ -689,10 +712,9 @@ def main(cfg):
     report["continual"] = {**matrix, **continual_metrics(matrix)} if matrix and matrix.get("rows") else None
 
     drift, texts = drift_of(model_, tokenizer, base, drift_sets, cfg, dev, autocast)
+    drift["drift_artifacts"] = drift.pop("artifacts")  # on the drift responses: comparable with stage_drift's
     drift["artifacts"] = {name: {"model": scores[name]["artifacts"], "base": base_scores[name]["artifacts"] if base else None}
-                          for name in names}
-    drift["drift_artifacts"] = {name: artifacts_of(tokenizer, tasks, [[t] for t in texts[name]])
-                                for name, tasks in drift_sets.items()}
+                          for name in names}  # on every eval sample
     if base:
         drift["base_drift_artifacts"] = {name: artifacts_of(base["tokenizer"], tasks, [[t] for t in base["drift_texts"][name]])
                                          for name, tasks in drift_sets.items()}

@@ -61,7 +61,10 @@ def brute_mmd2(x, y, sigma):
     m, n = len(x), len(y)
     xx = sum(k(x[i], x[j]) for i in range(m) for j in range(m) if i != j) / (m * (m - 1))
     yy = sum(k(y[i], y[j]) for i in range(n) for j in range(n) if i != j) / (n * (n - 1))
-    xy = sum(k(x[i], y[j]) for i in range(m) for j in range(n)) / (m * n)
+    if m == n:  # Gretton et al. 2012, eq. 3: paired rows, i != j in the cross term too
+        xy = sum(k(x[i], y[j]) for i in range(m) for j in range(n) if i != j) / (m * (m - 1))
+    else:
+        xy = sum(k(x[i], y[j]) for i in range(m) for j in range(n)) / (m * n)
     return xx + yy - 2 * xy
 
 
@@ -69,15 +72,19 @@ def test_mmd_is_near_zero_for_same_samples_and_positive_for_shifted_ones():
     g = torch.Generator().manual_seed(0)
     x = torch.randn(64, 8, generator=g)
     y = torch.randn(64, 8, generator=g)
-    same = ev.mmd_rbf(x, x)
-    assert abs(same) < 2 / 64  # unbiased: exactly -2(1 - mean off-diagonal k)/m for y = x
-    assert abs(ev.mmd_rbf(x, y)) < 0.03
+    assert ev.mmd_rbf(x, x) == pytest.approx(0.0, abs=1e-12)  # identical samples: exactly 0
+    same = ev.mmd_rbf(x, y)  # another sample of the same distribution: ~0
+    assert abs(same) < 0.03
     shifted = ev.mmd_rbf(x, y + 1.5)
-    assert shifted > 0.2 and shifted > 10 * abs(ev.mmd_rbf(x, y))
+    assert shifted > 0.2 and shifted > 10 * abs(same)
     sigma = ev.median_heuristic(torch.cat([x, y]))
     assert ev.mmd_rbf(x, y + 3.0, sigma) > ev.mmd_rbf(x, y + 1.5, sigma) > 0.2  # further apart, larger (one kernel)
+    # paired, dependent samples (y_i = x_i + small noise): still ~0, not pulled below 0 by the pairs
+    near = x + 0.05 * torch.randn(64, 8, generator=g)
+    assert abs(ev.mmd_rbf(x, near)) < 0.01
     x, y = x.double(), y.double()
-    assert ev.mmd_rbf(x[:6], y[:5] + 1, sigma) == pytest.approx(brute_mmd2(x[:6], y[:5] + 1, sigma), rel=1e-9)
+    for a, b in ((x[:6], y[:5] + 1), (x[:5], y[:5] + 1)):
+        assert ev.mmd_rbf(a, b, sigma) == pytest.approx(brute_mmd2(a, b, sigma), rel=1e-9)
     with pytest.raises(ValueError):
         ev.mmd_rbf(x[:1], y)
 
