@@ -136,6 +136,22 @@ def _logits_into(buf, parts, transposed=False):
     return out.T if transposed else out
 
 
+import contextlib, os
+
+
+@contextlib.contextmanager
+def _few_threads(device):
+    if device.type != "cpu" or os.environ.get("ST") != "1":
+        yield
+        return
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
+
+
 class _FusedTokenLoss(torch.autograd.Function):
     """Chunked forward that also computes d loss / d hidden and d loss / d weight
     (the output is a scalar, so the backward only has to scale them)."""
@@ -224,7 +240,7 @@ class _FusedTokenLoss(torch.autograd.Function):
             if nd and distill == "topk":
                 # small [nd, k] local graph: the divergence as a function of the
                 # student's top-k log-probs s_k
-                with torch.enable_grad():
+                with torch.enable_grad(), _few_threads(dev):
                     s_k = (z_k - z_max[d_idx, None] - log_norm[d_idx, None]).requires_grad_()
                     t_k = zt_k - t_max[:, None] - t_log_norm[:, None]
                     d = _divergence(*_topk_buckets(s_k, t_k, tail), alpha)
@@ -258,7 +274,7 @@ class _FusedTokenLoss(torch.autograd.Function):
 
             # ---- the caller's loss on the [c] vectors; tiny local autograd for
             # d loss / d logp and d loss / d div
-            with torch.enable_grad():
+            with torch.enable_grad(), _few_threads(dev):
                 logp_leaf = logp.clone().requires_grad_()
                 div_leaf = div.clone().requires_grad_(distill != "token")
                 out = loss_fn(logp_leaf, div_leaf, tlogp, slice(a, b))

@@ -14,13 +14,14 @@ import re
 import sys
 
 
-def config_help(source_file, keys):
-    """Lines 'key = default  # help' for the defaults block of a script."""
+def config_keys(scope, source_file):
+    """{key: help} for the script's defaults block: lowercase module-level names with a plain
+    value (bool/int/float/str) assigned on a line `key = value  # help`."""
     helps = {}
     with open(source_file) as f:
         for line in f:
-            m = re.match(r"^(\w+) = (.*?)\s+# (.*)$", line.rstrip("\n"))
-            if m and m.group(1) in keys:
+            m = re.match(r"^([a-z]\w*) = (.*?)\s+# (.*)$", line.rstrip("\n"))
+            if m and isinstance(scope.get(m.group(1)), (bool, int, float, str)):
                 helps[m.group(1)] = m.group(3)
     return helps
 
@@ -45,10 +46,8 @@ def coerce(key, value, default, where):
 
 def configure(scope, argv, source_file):
     """Apply config files and --key=value overrides to `scope` (a script's globals)."""
-    keys = {k: v for k, v in scope.items()
-            if not k.startswith("_") and k.islower() and isinstance(v, (bool, int, float, str))}
-    helps = config_help(source_file, keys)
-    keys = {k: v for k, v in keys.items() if k in helps}  # only the documented defaults block
+    helps = config_keys(scope, source_file)
+    keys = {k: scope[k] for k in helps}
     if "--help" in argv or "-h" in argv:
         width = max(map(len, keys))
         print(f"usage: python {source_file.rsplit('/', 1)[-1]} [config/file.py ...] [--key=value ...]\n")

@@ -149,8 +149,8 @@ loss_chunk = 256  # tokens per chunk of the fused loss
 # continual training
 teacher_stage_reset = "keep"  # at a stage boundary the teacher: 'keep', 'student' (copy) or 'initial'
 reset_optimizer = False  # fresh AdamW state at each stage
-stop_on_collapse = True  # stop (keeping the last good checkpoint) on NaN/inf or a collapse
-collapse_patience = 3  # evals in a row with zero accuracy on the training set that count as a collapse
+stop_on_collapse = True  # stop (keeping the last good checkpoint) on a collapse; NaN/inf always stops
+collapse_patience = 3  # evals in a row with zero training-set accuracy or empty responses that count as a collapse
 # -----------------------------------------------------------------------------
 
 CHOICES = {
@@ -1615,6 +1615,7 @@ def main(cfg):
         """Score every eval set (tasks sharded over ranks); returns {set: mean@n}."""
         eval_gen = torch.Generator().manual_seed(cfg["seed"] + 1 + ddp.rank)  # same samples each time: comparable
         row, n = {}, cfg["eval_n"]
+        state["eval_len"] = {}
         for name, tasks in eval_tasks.items():
             with autocast():
                 res = evaluate(model, tokenizer, tasks[ddp.rank::ddp.world], n, cfg["eval_temperature"], cfg["eval_top_p"],
@@ -1624,9 +1625,9 @@ def main(cfg):
             scores = [row_scores for p in parts for row_scores in p[0]]
             correct = [sum(x >= cfg["success_threshold"] for x in r) for r in scores]
             row[name] = sum(map(sum, scores)) / (n * len(scores))
+            state["eval_len"][name] = sum(p[1] for p in parts) / (n * len(scores))
             log({"iter": state["iter"], "eval": name, "tag": tag, f"mean@{n}": row[name],
-                 f"pass@{n}": sum(pass_at_k(n, c, n) for c in correct) / len(correct),
-                 "mean_len": sum(p[1] for p in parts) / (n * len(scores))})
+                 f"pass@{n}": sum(pass_at_k(n, c, n) for c in correct) / len(correct), "mean_len": state["eval_len"][name]})
         say(f"eval @ iter {state['iter']} ({tag}): " + ", ".join(f"{k} mean@{n} {v:.3f}" for k, v in row.items()), flush=True)
         return row
 
@@ -1723,11 +1724,13 @@ def main(cfg):
 
 
 def check_collapse(row, name, state, cfg):
-    """Zero accuracy on the training domain for collapse_patience evals in a row = collapse."""
-    own = [row[n] for n in name.split("+") if n in row]
-    state["zero_acc_evals"] = state["zero_acc_evals"] + 1 if own and max(own) == 0 else 0
+    """A collapse: for collapse_patience evals in a row, zero accuracy on the training set(s),
+    or responses that are (nearly) empty -- the signs of a policy that stopped answering."""
+    own = [n for n in name.split("+") if n in row]
+    dead = own and (max(row[n] for n in own) == 0 or max(state["eval_len"][n] for n in own) < 2)
+    state["zero_acc_evals"] = state["zero_acc_evals"] + 1 if dead else 0
     if cfg["stop_on_collapse"] and state["zero_acc_evals"] >= cfg["collapse_patience"]:
-        raise Collapse(f"accuracy on {name} was 0 for {state['zero_acc_evals']} evals in a row")
+        raise Collapse(f"{name}: zero accuracy or empty responses for {state['zero_acc_evals']} evals in a row")
 
 
 if __name__ == "__main__":

@@ -42,6 +42,5 @@ def read_log(out_dir):
 def defaults():
     """train.py's config defaults as a dict (what configurator would hand to main)."""
     import train
-    from configurator import config_help
-    keys = config_help(train.__file__, dir(train))
-    return {k: getattr(train, k) for k in keys}
+    from configurator import config_keys
+    return {k: getattr(train, k) for k in config_keys(vars(train), train.__file__)}

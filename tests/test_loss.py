@@ -15,6 +15,15 @@ from _fused import distill_divergence, fused_token_loss, naive_token_loss, sampl
 f64 = torch.float64
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    # tiny tensors: intra-op threads only add synchronisation (slow on a busy machine)
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 # ----------------------------------------------------------------------------- references
 # Written independently of _fused: explicit probabilities and sums.
 
@@ -141,8 +150,10 @@ def make_case(N=37, H=16, V=50, dtype=f64, seed=0, temperature=0.7):
         return (torch.randn(*shape, generator=g, dtype=f64) * scale).to(dtype)
 
     C = dict(
-        h=rnd(N, H), W=rnd(V, H, scale=0.6),
-        h_t=rnd(N, H), W_t=rnd(V, H, scale=0.6), h_t0=rnd(N, H), W_t0=rnd(V, H, scale=0.6),
+        # logits of std ~2: peaked enough for clipping and a small tail, not so
+        # peaked that the fp32 tail bucket (1 - sum of top-k) is ill-conditioned
+        h=rnd(N, H), W=rnd(V, H, scale=0.35),
+        h_t=rnd(N, H), W_t=rnd(V, H, scale=0.35), h_t0=rnd(N, H), W_t0=rnd(V, H, scale=0.35),
         tokens=torch.randint(0, V, (N,), generator=g),
         adv=torch.randn(N, generator=g, dtype=f64).to(dtype),
         wts=torch.rand(N, generator=g, dtype=f64).to(dtype),
@@ -210,7 +221,7 @@ def test_fused_matches_naive(dtype, rtol, alpha, distill, tail):
     assert_rel(gwf, gwn, rtol, "grad weight")
     for key in ("logp", "div", "teacher_logp"):
         assert sf[key].dtype == torch.float32 and not sf[key].requires_grad
-        assert_rel(sf[key], sn[key], 1e-5, key)
+        assert_rel(sf[key], sn[key], max(rtol, 1e-6), key)
     # rows outside div_rows: no divergence, no teacher log-prob
     assert (sf["div"][~C["mask"]] == 0).all() and (sf["teacher_logp"][~C["mask"]] == 0).all()
     if distill == "token":

@@ -111,3 +111,71 @@ def test_resume_continues_exactly(toy_data, tmp_path):
     for a, b in zip(full, split):
         for key in ("loss", "reward", "resp_len", "div", "distill_frac", "grad_norm"):
             assert a[key] == pytest.approx(b[key], rel=1e-6, abs=1e-9), (a["iter"], key, a[key], b[key])
+
+
+def test_collapse_guard_stops_on_nan_and_keeps_a_loadable_checkpoint(toy_data, tmp_path, monkeypatch):
+    """A NaN loss at iteration 3 stops the run with one clear error; the checkpoint written
+    after iteration 2 is still a valid HF folder that init_from=resume accepts."""
+    cfg = dict(defaults(), algo="sft", dataset="toy/add", n_layer=1, n_head=2, n_embd=32, block_size=128,
+               batch_prompts=4, micro_batch_size=8, max_iters=5, save_interval=1, eval_interval=0,
+               eval_max_prompts=2, eval_n=2, max_new_tokens=8, out_dir=str(tmp_path), device="cpu",
+               tokenizer_path=os.path.join(toy_data, "toy", "tokenizer"), data_dir=toy_data)
+    real, calls = train.loss_backward, []
+
+    def poisoned(*args, **kwargs):
+        metrics = real(*args, **kwargs)
+        calls.append(1)
+        return dict(metrics, loss=float("nan")) if len(calls) == 3 else metrics
+
+    monkeypatch.setattr(train, "loss_backward", poisoned)
+    with pytest.raises(train.UserError, match="iteration 2: loss is nan"):
+        train.main(cfg)
+    with open(tmp_path / "ckpt" / "state.json") as f:
+        assert json.load(f)["iter"] == 2
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt")
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    monkeypatch.setattr(train, "loss_backward", real)
+    train.main(dict(cfg, init_from="resume"))  # and the run continues from it
+    assert [r["iter"] for r in read_log(tmp_path) if "loss" in r] == [1, 2, 3, 4, 5]
+
+
+def test_non_finite_gradient_is_refused(toy_data):
+    cfg, model, tokenizer = tiny_setup(toy_data, "sft")
+    next(model.parameters()).grad = torch.full_like(next(model.parameters()), float("inf"))
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(train.Collapse, match="gradient norm"):
+        train.optimizer_step(model, torch.optim.AdamW(model.parameters()), 1.0)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # no step taken
+
+
+def test_density_one_distills_every_token_of_every_response_with_a_peer(toy_data):
+    cfg, model, tokenizer = tiny_setup(toy_data, "sdpo", success_threshold=0.0, group_size=4, max_new_tokens=6,
+                                       density=1.0)
+    tasks = train.load_tasks("toy/add", "test", toy_data)[:2]
+    g = torch.Generator().manual_seed(0)
+    batch, metrics = train.build_batch(tasks, model, tokenizer, cfg, g, torch.device("cpu"))
+    n = sum(len(r) for r in batch["responses"])
+    assert metrics["peer_frac"] == 1.0 and metrics["distill_frac"] == 1.0
+    assert all(torch.allclose(w, torch.full_like(w, 1.0 / n)) for w in batch["distill_weight"])
+    batch, metrics = train.build_batch(tasks, model, tokenizer, dict(cfg, density=0.5), g, torch.device("cpu"))
+    kept = sum(int((w > 0).sum()) for w in batch["distill_weight"])
+    assert 0 < kept < sum(len(r) for r in batch["responses"])
+    assert all(torch.allclose(w[w > 0], torch.tensor(1.0 / kept)) for w in batch["distill_weight"] if (w > 0).any())
+
+
+def test_collapse_guard_on_zero_accuracy_or_empty_responses():
+    cfg = dict(defaults(), collapse_patience=2)
+    state = {"zero_acc_evals": 0, "eval_len": {"a": 5.0, "b": 5.0}}
+    train.check_collapse({"a": 0.0, "b": 0.5}, "a", state, cfg)  # one bad eval: not yet
+    with pytest.raises(train.Collapse, match="2 evals"):
+        train.check_collapse({"a": 0.0, "b": 0.5}, "a", state, cfg)
+    state = {"zero_acc_evals": 0, "eval_len": {"a": 1.0}}
+    train.check_collapse({"a": 0.3}, "a", state, cfg)  # accurate but empty: counts
+    assert state["zero_acc_evals"] == 1
+    state["eval_len"]["a"] = 9.0
+    train.check_collapse({"a": 0.3}, "a", state, cfg)  # recovered: the count resets
+    assert state["zero_acc_evals"] == 0
+    state["eval_len"]["a"] = 1.0
+    train.check_collapse({"a": 0.3}, "a", state, dict(cfg, stop_on_collapse=False))
+    train.check_collapse({"a": 0.3}, "a", state, dict(cfg, stop_on_collapse=False))  # off: never raises

@@ -6,11 +6,11 @@ plus a character-level HF tokenizer with a chat template. Nothing is downloaded.
 
 Prompts are terse ("347+85", "sort dbca") to keep sequences short on a CPU; each domain's answer
 format is learned from its SFT data. Domains (distance from `add`, the usual first stage):
-    add   a+b, 2-3 digit numbers         \\boxed{}             -- the reference domain
-    sub   a-b (a >= b), same digits      \\boxed{}             -- near: same format, sibling skill
-    mul   a*b, 2-3 digits x 1 digit      \\boxed{}             -- intermediate: same format, other skill
-    sort  sort 4-7 letters               <answer></answer>    -- far: strings, other format
-    rev   reverse 4-7 letters            <answer></answer>    -- far, and near to `sort`
+    add   a+b, 2-digit numbers           \\boxed{}             -- the reference domain
+    sub   a-b (a >= b), 2-digit          \\boxed{}             -- near: same format, sibling skill
+    mul   a*b, 2-digit x 1-digit         \\boxed{}             -- intermediate: same format, other skill
+    sort  sort 3-5 letters               <answer></answer>    -- far: strings, other format
+    rev   reverse 3-5 letters            <answer></answer>    -- far, and near to `sort`
 Two answer formats make format leakage measurable: a `\\boxed{}` in a string task (or an
 `<answer>` tag in an arithmetic one) is another domain's format showing up.
 
@@ -36,15 +36,15 @@ LETTERS = "abcdefghijklmnopqrstuvwxyz"
 def make_task(domain, rng):
     """Return (question, answer, kind, solution)."""
     if domain in ("add", "sub", "mul"):
-        a = rng.randint(10, 999)
-        b = rng.randint(2, 9) if domain == "mul" else rng.randint(10, 999)
+        a = rng.randint(10, 99)
+        b = rng.randint(2, 9) if domain == "mul" else rng.randint(10, 99)
         if domain == "sub" and b > a:
             a, b = b, a
         op = {"add": "+", "sub": "-", "mul": "*"}[domain]
         value = {"add": a + b, "sub": a - b, "mul": a * b}[domain]
         question = f"{a}{op}{b}"
         return question, str(value), "math", f"\\boxed{{{value}}}"
-    word = "".join(rng.choice(LETTERS) for _ in range(rng.randint(4, 7)))
+    word = "".join(rng.choice(LETTERS) for _ in range(rng.randint(3, 5)))
     if domain == "sort":
         question, value = f"sort {word}", "".join(sorted(word))
     else:
@@ -112,14 +112,21 @@ def bytes_to_unicode():
 
 
 def write_domain(domain, seed, out_root):
+    """N_TEST distinct test questions, then N_TRAIN training draws (repeats allowed: some domains
+    have only a few thousand distinct questions) that never hit a test question."""
     rng = random.Random(f"{seed}-{domain}")
-    seen, rows = set(), []
-    while len(rows) < N_TRAIN + N_TEST:
-        question, answer, kind, solution = make_task(domain, rng)
-        if question in seen:
-            continue
-        seen.add(question)
-        rows.append((question, answer, kind, solution))
+    test, seen = [], set()
+    while len(test) < N_TEST:
+        task = make_task(domain, rng)
+        if task[0] not in seen:
+            seen.add(task[0])
+            test.append(task)
+    train_rows = []
+    while len(train_rows) < N_TRAIN:
+        task = make_task(domain, rng)
+        if task[0] not in seen:
+            train_rows.append(task)
+    rows = test + train_rows
     os.makedirs(os.path.join(out_root, domain), exist_ok=True)
     for split, part in (("test", rows[:N_TEST]), ("train", rows[N_TEST:])):
         with open(os.path.join(out_root, domain, f"{split}.jsonl"), "w") as f:

@@ -1,0 +1,16 @@
+# The paper in miniature, GRPO arm: three toy domains in sequence (add -> mul -> sort: an
+# arithmetic neighbour, then a far string task with another answer format), scoring all five
+# toy domains after every stage (sub and rev are held out). Start: the SFT toy base.
+out_dir = "out/continual_grpo"
+init_from = "out/toy_base/ckpt"
+algo = "grpo"
+stages = "toy/add:30,toy/mul:30,toy/sort:30"
+eval_sets = "toy/add,toy/sub,toy/mul,toy/sort,toy/rev"
+batch_prompts = 16
+group_size = 8
+micro_batch_size = 128
+max_new_tokens = 16
+learning_rate = 3e-4
+warmup_iters = 5
+eval_interval = 0
+eval_max_prompts = 100
