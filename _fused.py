@@ -1,10 +1,10 @@
 # -----------------------------------------------------------------------------
-# Token loss: LM head + log-softmax + (GRPO / distillation) loss, naive and fused.
-#
-# Everything here works on flattened rows: hidden [N, H] (final hidden states),
-# weight [V, H] (LM head), tokens [N] (the sampled token of each row).
+# Token loss: LM head + log-softmax + (GRPO / self-distillation) loss, naive
+# and fused. Everything works on flattened rows: hidden [N, H] (final hidden
+# states), weight [V, H] (LM head), tokens [N] (the sampled token of each row).
 # The fused version never materialises an [N, V] tensor: it walks the rows in
 # chunks and computes the gradients for hidden and weight during the forward.
+# Maths in fp32 whatever the input dtype (fp64 stays fp64, for the tests).
 
 import math
 import torch
@@ -92,7 +92,19 @@ def _teacher_logits(teacher, rows, dt, temperature):
 def naive_token_loss(hidden, weight, tokens, loss_fn, teacher=None, div_rows=None, *,
                      alpha, distill, topk, tail, temperature=1.0):
     """Reference implementation: full [N, V] logits and plain autograd.
-    Returns (loss, stats) with stats = {"logp", "div", "teacher_logp"} (detached fp32 [N])."""
+
+    hidden [N, H] student final hidden states, weight [V, H] LM head, tokens [N]
+    the sampled token of each row. Student logits = hidden @ weight.T / T (fp32).
+    teacher: None or [(hidden_t [N, H], weight_t [V, H], coef)], no grad:
+    teacher logits = sum coef * hidden_t @ weight_t.T, / T.
+    div_rows: bool [N] (None: all rows if there is a teacher, else none); rows
+    outside get div = 0 and teacher_logp = 0.
+    Per row: logp (student log-prob at tokens), teacher_logp, and div =
+    distill_divergence(...) for distill "full" / "topk", or the constant
+    (logp - teacher_logp).detach() for "token" (the caller's loss_fn builds the
+    sampled-token estimator sg(logp - teacher_logp) * logp from teacher_logp).
+    loss = loss_fn(logp [N], div [N], teacher_logp [N], slice(0, N)), a scalar.
+    Returns (loss, {"logp", "div", "teacher_logp"}: detached fp32 [N])."""
     div_mask = _check_args(hidden, weight, tokens, teacher, div_rows, distill)
     N = hidden.shape[0]
     dt = _compute_dtype(hidden.dtype)
@@ -121,7 +133,7 @@ def naive_token_loss(hidden, weight, tokens, loss_fn, teacher=None, div_rows=Non
 
 def _logits_into(buf, parts, transposed=False):
     """sum_i h_i @ w_i.T over parts [(h_i [c, H], w_i [V, H])], written into the
-    flat buffer buf; returns it as a [c, V] view. transposed=True computes the
+    flat buffer buf and returned as a [c, V] view. transposed=True computes the
     [V, c] product w @ h.T instead (MKL is ~1.4x faster at it for few rows) and
     returns its transpose, a [c, V] view with strides (1, c): fine for
     elementwise ops, reductions and gathers, slow for topk."""
@@ -136,20 +148,42 @@ def _logits_into(buf, parts, transposed=False):
     return out.T if transposed else out
 
 
-import contextlib, os
+def _gathered_logits(parts, idx, max_elems):
+    """sum_i <h_i[r], w_i[idx[r, j]]> for parts [(h_i [n, H], w_i [V, H])] and
+    idx [n, k]: logits at a few vocab entries per row without the [n, V]
+    product; row blocks keep the gathered [rows, k, H] weights under max_elems."""
+    n, k = idx.shape
+    H = parts[0][0].shape[1]
+    out = torch.empty(n, k, dtype=parts[0][0].dtype, device=idx.device)
+    step = max(1, max_elems // (k * H))
+    for r in range(0, n, step):
+        acc = 0
+        for h, w in parts:
+            acc = acc + torch.bmm(w[idx[r:r + step]], h[r:r + step, :, None]).squeeze(2)
+        out[r:r + step] = acc
+    return out
 
 
-@contextlib.contextmanager
-def _few_threads(device):
-    if device.type != "cpu" or os.environ.get("ST") != "1":
-        yield
-        return
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(n)
+def _full_divergence_and_grad(s, t, p, alpha):
+    """Full-vocab divergence [n] of student log-probs s from teacher log-probs t
+    (p = exp(s)) and its gradient w.r.t. the student logits [n, V], in closed
+    form. s is used as scratch."""
+    if alpha == 0:  # KL(q||p); grad p - q
+        q = t.exp()
+        d = (q * (t - s)).sum(1)
+        return d, q.neg_().add_(p)
+    if alpha == 1:  # KL(p||q); grad p (log p - log q - KL)
+        r = s.sub_(t)
+        d = (p * r).sum(1)
+        return d, r.sub_(d[:, None]).mul_(p)
+    # JSD; grad (1 - alpha) p (log p - log m - KL(p||m))
+    log_m = torch.logaddexp(s + math.log(1 - alpha), t + math.log(alpha))
+    kl_qm = (t.exp() * (t - log_m)).sum(1)
+    s_m = s.sub_(log_m)
+    del log_m
+    kl_pm = (p * s_m).sum(1)
+    d = (1 - alpha) * kl_pm + alpha * kl_qm
+    return d, s_m.sub_(kl_pm[:, None]).mul_(p).mul_(1 - alpha)
 
 
 class _FusedTokenLoss(torch.autograd.Function):
@@ -177,13 +211,14 @@ class _FusedTokenLoss(torch.autograd.Function):
         logp_all, div_all, tlogp_all = (torch.zeros(N, dtype=dt, device=dev) for _ in range(3))
         total = torch.zeros((), dtype=dt, device=dev)
         div_mask_cpu = div_mask.cpu()  # one host sync; per-chunk row lists are then free
-        # [chunk, V] buffers for the student's and the teacher's logits, reused by
-        # every chunk (no allocation, and on CPU no page faults of freshly
-        # mmapped memory, per chunk)
+        # One [chunk, V] logits buffer reused by every chunk (no allocation and,
+        # on CPU, no page faults of freshly mmapped memory per chunk): the
+        # teacher's full-vocab pass runs first, then the student's logits
+        # overwrite it ("full" keeps the teacher's log-probs in a second buffer).
         c_max = min(chunk_size, N)
         z_buf = torch.empty(c_max * V, dtype=dt, device=dev)
-        t_buf = torch.empty(c_max * V, dtype=dt, device=dev) if div_mask_cpu.any() else None
-        # on CPU the teacher's logits are computed transposed (faster); their
+        t_buf = torch.empty(c_max * V, dtype=dt, device=dev) if full and div_mask_cpu.any() else z_buf
+        # on CPU the teacher's logits are computed transposed (faster); the
         # strided view is fine for all the teacher needs (gathers, max, exp, sum)
         t_transposed = dev.type == "cpu" and not full
 
@@ -195,98 +230,82 @@ class _FusedTokenLoss(torch.autograd.Function):
             d_local = div_mask_cpu[a:b].nonzero().squeeze(1)
             nd = d_local.numel()
             all_div = nd == c
-            d_idx = d_local.to(dev)
+            d_idx = d_local.to(dev)  # rows of this chunk that get a divergence
+            tlogp = torch.zeros(c, dtype=dt, device=dev)
+            div = torch.zeros(c, dtype=dt, device=dev)
 
-            # ---- student: logits / T [c, V]; log-probs are (z - max) - log_norm,
-            # computed in that order so they are precise near the max
+            # ---- teacher, div rows only: log-normaliser and log-prob at y.
+            # Log-probs are computed as (z - max) - log_norm, in that order, so
+            # they are precise near the max (the top-k / tail buckets need it).
+            if nd:
+                t_parts = [(h_t[d_idx + a].to(dt) * s, w_t) for h_t, w_t, s in teacher]
+                zt = _logits_into(t_buf, t_parts, t_transposed)
+                zt_y = zt.gather(1, y[d_idx]).squeeze(1)
+                t_max = zt.amax(1)
+                zt.sub_(t_max[:, None])
+                if full:
+                    t_log_norm = torch.logsumexp(zt, 1)
+                    t = zt.sub_(t_log_norm[:, None])  # teacher log-probs [nd, V], kept
+                else:
+                    t_log_norm = zt.exp_().sum(1).log()
+                del zt
+                tlogp[d_idx] = zt_y - t_max - t_log_norm
+
+            # ---- student: logits / T [c, V] -> p, in place in the buffer
             z = _logits_into(z_buf, [(h, w)])
             z_y = z.gather(1, y).squeeze(1)
             if k and nd:
-                z_k, top_idx = torch.topk(z if all_div else z[d_idx], k, dim=1)
-            # the top-1 of the top-k is the row max: saves a pass over z
-            z_max = z_k[:, 0] if k and all_div else z.amax(1)
+                # topk of every row (cheaper than copying out the div rows of a
+                # mixed chunk); its top-1 is the row max, which saves a pass
+                z_k, top_idx = torch.topk(z, k, dim=1)
+                z_max = z_k[:, 0]
+                if not all_div:
+                    z_k, top_idx = z_k[d_idx], top_idx[d_idx]
+                # the teacher's logits at the student's top-k, by dot products
+                zt_k = _gathered_logits(t_parts, top_idx, max_elems=c_max * V // 8)
+            else:
+                z_max = z.amax(1)
             z.sub_(z_max[:, None])
             if full:
                 log_norm = torch.logsumexp(z, 1)
                 s_all = z.sub_(log_norm[:, None])  # log-probs, needed over the whole vocab
                 p = s_all.exp()
             else:
-                p = z.exp_()  # in place: unnormalised probs exp(z - max)
+                p = z.exp_()  # unnormalised probs exp(z - max): p / exp(log_norm)
                 log_norm = p.sum(1).log()
             del z
             logp = z_y - z_max - log_norm
-
-            # ---- teacher, div rows only: log-prob at y, logits at the student's top-k
-            tlogp = torch.zeros(c, dtype=dt, device=dev)
-            div = torch.zeros(c, dtype=dt, device=dev)
-            if nd:
-                rows = d_idx + a
-                zt = _logits_into(t_buf, [(h_t[rows].to(dt) * s, w_t) for h_t, w_t, s in teacher],
-                                  t_transposed)
-                zt_y = zt.gather(1, y[d_idx]).squeeze(1)
-                if k:
-                    zt_k = zt.gather(1, top_idx)
-                t_max = zt.amax(1)
-                zt.sub_(t_max[:, None])
-                if full:
-                    t_log_norm = torch.logsumexp(zt, 1)
-                    t = zt.sub_(t_log_norm[:, None])  # teacher log-probs [nd, V]
-                else:
-                    t_log_norm = zt.exp_().sum(1).log()
-                del zt
-                tlogp[d_idx] = zt_y - t_max - t_log_norm
 
             # ---- divergence (and what its gradient needs)
             if nd and distill == "topk":
                 # small [nd, k] local graph: the divergence as a function of the
                 # student's top-k log-probs s_k
-                with torch.enable_grad(), _few_threads(dev):
+                with torch.enable_grad():
                     s_k = (z_k - z_max[d_idx, None] - log_norm[d_idx, None]).requires_grad_()
                     t_k = zt_k - t_max[:, None] - t_log_norm[:, None]
                     d = _divergence(*_topk_buckets(s_k, t_k, tail), alpha)
                 div[d_idx] = d.detach()
             elif nd and full:
-                # closed form d div / d z for the div rows, [nd, V] (s is scratch)
-                s = s_all if all_div else s_all[d_idx]
-                p_d = p if all_div else p[d_idx]
-                if alpha == 0:  # KL(q||p): grad p - q
-                    q = t.exp()
-                    d = (q * (t - s)).sum(1)
-                    ddiv_dz = q.neg_().add_(p_d)
-                elif alpha == 1:  # KL(p||q): grad p (log p - log q - KL)
-                    r = s.sub_(t)
-                    d = (p_d * r).sum(1)
-                    ddiv_dz = r.sub_(d[:, None]).mul_(p_d)
-                else:  # JSD: grad (1 - alpha) p (log p - log m - KL(p||m))
-                    log_m = torch.logaddexp(s + math.log(1 - alpha), t + math.log(alpha))
-                    kl_qm = (t.exp() * (t - log_m)).sum(1)
-                    s_m = s.sub_(log_m)
-                    del log_m
-                    kl_pm = (p_d * s_m).sum(1)
-                    d = (1 - alpha) * kl_pm + alpha * kl_qm
-                    ddiv_dz = s_m.sub_(kl_pm[:, None]).mul_(p_d).mul_(1 - alpha)
-                del s, t, p_d
+                d, ddiv_dz = _full_divergence_and_grad(
+                    s_all if all_div else s_all[d_idx], t, p if all_div else p[d_idx], alpha)
                 div[d_idx] = d
+                del t
             elif nd and distill == "token":
                 div[d_idx] = logp[d_idx] - tlogp[d_idx]
             if full:
                 del s_all
 
             # ---- the caller's loss on the [c] vectors; tiny local autograd for
-            # d loss / d logp and d loss / d div
-            with torch.enable_grad(), _few_threads(dev):
+            # d loss / d logp and d loss / d div ("token": div is a constant)
+            with torch.enable_grad():
                 logp_leaf = logp.clone().requires_grad_()
                 div_leaf = div.clone().requires_grad_(distill != "token")
                 out = loss_fn(logp_leaf, div_leaf, tlogp, slice(a, b))
                 leaves = [logp_leaf, div_leaf] if distill != "token" else [logp_leaf]
-                if out.requires_grad:
-                    grads = torch.autograd.grad(out, leaves, allow_unused=True)
-                else:
-                    grads = [None] * len(leaves)
+                grads = (torch.autograd.grad(out, leaves, allow_unused=True)
+                         if out.requires_grad else [None] * len(leaves))
                 g_logp = grads[0] if grads[0] is not None else torch.zeros_like(logp)
-                g_div = None
-                if distill != "token" and grads[1] is not None:
-                    g_div = grads[1][d_idx]
+                g_div = grads[1][d_idx] if distill != "token" and grads[1] is not None else None
                 # back through the top-k buckets: d loss / d s_k, [nd, k]
                 g_sk = None
                 if nd and distill == "topk" and g_div is not None:
@@ -298,28 +317,29 @@ class _FusedTokenLoss(torch.autograd.Function):
             if not (need_gh or need_gw):
                 continue
 
-            # ---- d loss / d z, built in place in the z buffer.
-            # With s = log_softmax(z): dL/dz = G - p * sum(G) where G = dL/ds.
-            # G is sparse for logp (token y) and top-k (indices top_idx).
+            # ---- d loss / d z, in place in the p buffer. With s = log_softmax(z):
+            # dL/dz = G - p * sum(G), G = dL/ds, which is sparse except for
+            # "full": nonzero at y (from logp) and at the top-k (from div).
             g_sum = g_logp.clone()
             if g_sk is not None:
                 g_sum[d_idx] += g_sk.sum(1)
-            scale = -g_sum if full else -g_sum * torch.exp(-log_norm)  # p is unnormalised
-            dz = p.mul_(scale[:, None])  # -p * sum(G), in the p buffer
+            scale = -g_sum if full else -g_sum * torch.exp(-log_norm)  # p unnormalised
+            dz = p.mul_(scale[:, None])
             dz.scatter_add_(1, y, g_logp[:, None])
             if g_sk is not None:
                 if all_div:
                     dz.scatter_add_(1, top_idx, g_sk)
                 else:
                     dz.index_put_((d_idx[:, None].expand_as(top_idx), top_idx), g_sk, accumulate=True)
-            if distill == "full" and nd and g_div is not None:
+            if full and nd and g_div is not None:
+                ddiv_dz.mul_(g_div[:, None])
                 if all_div:
-                    dz.add_(ddiv_dz.mul_(g_div[:, None]))
+                    dz.add_(ddiv_dz)
                 else:
-                    dz.index_add_(0, d_idx, ddiv_dz.mul_(g_div[:, None]))
+                    dz.index_add_(0, d_idx, ddiv_dz)
             ddiv_dz = None
 
-            # ---- chain through z = (h / T) @ W.T
+            # ---- chain through z = (h / T) @ W.T; the weight grad accumulates in dt
             if need_gh:
                 torch.mm(dz, w, out=grad_h[a:b])
             if need_gw:
@@ -338,7 +358,7 @@ class _FusedTokenLoss(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out, *_):
         if ctx.grads is None:
-            raise RuntimeError("fused_token_loss: backward can run only once (gradients are freed)")
+            raise RuntimeError("fused_token_loss: backward can only run once (the gradients are handed over)")
         grad_h, grad_w = ctx.grads
         # drop our references so autograd can take the tensors over without a copy
         ctx.grads = None
@@ -349,9 +369,15 @@ class _FusedTokenLoss(torch.autograd.Function):
 
 
 def fused_token_loss(hidden, weight, tokens, loss_fn, teacher=None, div_rows=None, *,
-                     alpha, distill, topk, tail, temperature=1.0, chunk_size=256):
-    """Same semantics as naive_token_loss, in chunks of rows with no [N, V] tensor.
-    loss_fn is called once per chunk with rows = slice(a, b); the loss is the sum."""
+                     alpha, distill, topk, tail, temperature=1.0, chunk_size=128):
+    """Same arguments, semantics and result as naive_token_loss, without any
+    [N, V] tensor: rows are processed in chunks of chunk_size, and the
+    gradients for hidden and weight are computed during the forward (the
+    backward only scales them, and can run once). loss_fn is called once per
+    chunk with rows = slice(a, b); the loss is the sum of those calls.
+    chunk_size=128 keeps the extra memory to ~one [128, V] fp32 buffer (~78 MB
+    at V=152k) besides the weight gradient; on a GPU a larger chunk (e.g.
+    1024) makes the matmuls more efficient."""
     div_mask = _check_args(hidden, weight, tokens, teacher, div_rows, distill)
     loss, logp, div, tlogp = _FusedTokenLoss.apply(
         hidden, weight, tokens, loss_fn, teacher, div_mask,
@@ -360,7 +386,7 @@ def fused_token_loss(hidden, weight, tokens, loss_fn, teacher=None, div_rows=Non
 
 
 @torch.no_grad()
-def sampled_logprobs(hidden, weight, tokens, temperature=1.0, chunk_size=256):
+def sampled_logprobs(hidden, weight, tokens, temperature=1.0, chunk_size=128):
     """log-softmax(hidden @ weight.T / T) at tokens, [N] fp32, chunked, no grad
     (e.g. reference-model log-probs)."""
     dt = _compute_dtype(hidden.dtype)

@@ -1205,10 +1205,13 @@ def load_model(init, cfg, dev, torch_dtype):
     else:
         if os.path.isdir(init) and not os.path.exists(os.path.join(init, "config.json")):
             raise UserError(f"{init} is not a model folder (no config.json): point init_from at a checkpoint folder")
+        if not os.path.isdir(init) and init.count("/") != 1:
+            raise UserError(f"model {init} not found: no such folder, and not a hub id like Qwen/Qwen3-8B "
+                            "(for the toy base: python train.py config/toy_base.py)")
         try:
             tokenizer = AutoTokenizer.from_pretrained(init)
             model = AutoModelForCausalLM.from_pretrained(init, dtype=torch_dtype)
-        except OSError as e:  # not a folder, and not reachable on the hub
+        except (OSError, ValueError) as e:  # not a folder, and not reachable on the hub
             raise UserError(f"cannot load model {init!r}: {str(e).splitlines()[0]}") from None
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token

@@ -103,8 +103,11 @@ def make_problem(N, H, V, dtype, device, seed=0):
     tokens = torch.randint(0, V, (N,), generator=g).to(device)
     adv = torch.randn(N, generator=g).to(device)
     old_logp = (-torch.rand(N, generator=g) * 5).to(device)
-    seq = 128  # rows per "sequence"; 3 of 4 sequences have a teacher signal
-    div_rows = ((torch.arange(N) // seq) % 4 != 3).to(device)
+    # rows come in "sequences" of 16..255 tokens; 3 of 4 sequences have a
+    # teacher signal (so chunks are often partly distilled)
+    lengths = torch.randint(16, 256, (N,), generator=g)
+    seq_id = torch.repeat_interleave(torch.arange(N), lengths)[:N]
+    div_rows = (seq_id % 4 != 3).to(device)
 
     def loss_fn(logp, div, teacher_logp, rows):
         ratio = torch.exp(logp - old_logp[rows])

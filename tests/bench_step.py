@@ -100,7 +100,9 @@ class Runner:
         self.it += 1
         n_seq = len(batch["responses"])
         loss_seqs = sum(1 for i in range(n_seq) if batch["pg_weight"][i].any() or batch["distill_weight"][i].any())
-        teacher_seqs = sum(1 for t in batch["teacher_prompts"] if t is not None)
+        used = [i for i in range(n_seq) if batch["pg_weight"][i].any() or batch["distill_weight"][i].any()]
+        teachers = [i for i in used if batch["teacher_prompts"][i] is not None and batch["distill_weight"][i].any()]
+        teacher_seqs = len(teachers)
         rec = {
             "gen_s": metrics["gen_s"], "reward_s": metrics["reward_s"],
             "context_s": (t1 - t0) - metrics["gen_s"] - metrics["reward_s"],
@@ -108,7 +110,13 @@ class Runner:
             "loss_other_s": (t2 - t1) - m["reference_s"] - m["teacher_s"] - m["student_s"],
             "optimizer_s": t3 - t2, "ema_s": t4 - t3, "iter_s": t4 - t0,
             "tokens": metrics["tokens"], "acc": metrics["acc"], "loss_seqs": loss_seqs, "teacher_seqs": teacher_seqs,
-            "seqs": n_seq,
+            "seqs": n_seq, "reward": metrics["reward"],
+            # tokens through the student forward+backward and through the teacher forward (unpadded), and how
+            # many distinct teacher prompts there were (the rest repeat one: a shared prefix)
+            "student_seq_tokens": sum(len(batch["prompts"][i]) + len(batch["responses"][i]) for i in used),
+            "teacher_seq_tokens": sum(len(batch["teacher_prompts"][i]) + len(batch["responses"][i]) for i in teachers),
+            "teacher_prompt_tokens": sum(len(batch["teacher_prompts"][i]) for i in teachers),
+            "teacher_unique_prompts": len({tuple(batch["teacher_prompts"][i]) for i in teachers}),
         }
         rec["tok_s"] = rec["tokens"] / rec["iter_s"]
         return rec
@@ -223,7 +231,8 @@ def main():
     for a, r in runners.items():
         recs = r.records
         summ[a] = {key: median([x[key] for x in recs]) for key in
-                   PHASES + ["loss_other_s", "iter_s", "tokens", "tok_s", "acc", "loss_seqs", "teacher_seqs", "seqs"]}
+                   PHASES + ["loss_other_s", "iter_s", "tokens", "tok_s", "acc", "reward", "loss_seqs", "teacher_seqs", "seqs",
+                    "student_seq_tokens", "teacher_seq_tokens", "teacher_prompt_tokens", "teacher_unique_prompts"]}
     g, s = summ["grpo"], summ["sdpo"]
     ratio = s["iter_s"] / g["iter_s"]
     # the same ratio pair by pair (each pair ran back to back)
@@ -233,8 +242,13 @@ def main():
     print(f"{'phase':<14}{'grpo':>10}{'sdpo':>10}{'sdpo-grpo':>11}")
     for key in PHASES + ["loss_other_s", "iter_s"]:
         print(f"{key[:-2]:<14}{g[key]:>10.4f}{s[key]:>10.4f}{s[key] - g[key]:>+11.4f}")
-    for key, fmt in (("tokens", ".0f"), ("tok_s", ".0f"), ("acc", ".3f"), ("loss_seqs", ".0f"), ("teacher_seqs", ".0f")):
-        print(f"{key:<14}{g[key]:>10{fmt}}{s[key]:>10{fmt}}")
+    print("(gen = train.generate + decode; context = advantages, teacher prompts, density masks; "
+          "student = student forward + fused loss + backward)")
+    for key, label, fmt in (("tokens", "resp tokens", ".0f"), ("tok_s", "resp tok/s", ".0f"), ("reward", "reward", ".3f"),
+                            ("loss_seqs", "seqs in loss", ".0f"), ("student_seq_tokens", "student tok", ".0f"),
+                            ("teacher_seqs", "teacher seqs", ".0f"), ("teacher_seq_tokens", "teacher tok", ".0f"),
+                            ("teacher_prompt_tokens", "  of prompt", ".0f"), ("teacher_unique_prompts", "uniq t.prompts", ".0f")):
+        print(f"{label:<14}{g[key]:>10{fmt}}{s[key]:>10{fmt}}")
     print(f"sdpo/grpo iteration time: {ratio:.3f} (median of medians); pairwise ratios "
           f"{', '.join(f'{x:.2f}' for x in pair_ratios)}; median {median(pair_ratios):.3f}  [target <= 1.3]")
     if g["loss_seqs"] == 0:
@@ -259,7 +273,10 @@ def main():
         "grpo_phases": {k[:-2]: g[k] for k in PHASES}, "sdpo_phases": {k[:-2]: s[k] for k in PHASES},
         "grpo_tok_s": g["tok_s"], "sdpo_tok_s": s["tok_s"], "grpo_tokens": g["tokens"], "sdpo_tokens": s["tokens"],
         "grpo_loss_seqs": g["loss_seqs"], "sdpo_loss_seqs": s["loss_seqs"], "sdpo_teacher_seqs": s["teacher_seqs"],
-        "grpo_acc": g["acc"], "sdpo_acc": s["acc"],
+        "grpo_reward": g["reward"], "sdpo_reward": s["reward"],
+        "grpo_student_seq_tokens": g["student_seq_tokens"], "sdpo_student_seq_tokens": s["student_seq_tokens"],
+        "sdpo_teacher_seq_tokens": s["teacher_seq_tokens"], "sdpo_teacher_prompt_tokens": s["teacher_prompt_tokens"],
+        "sdpo_teacher_unique_prompts": s["teacher_unique_prompts"],
         "rollout_s": gb["rollout"]["s"], "hf_generate_s": gb["hf"]["s"], "rollout_speedup": speedup,
         "rollout_tok_s": gb["rollout"]["tok_s"], "hf_generate_tok_s": gb["hf"]["tok_s"],
         "rollout_tokens": gb["rollout"]["tokens"], "hf_generate_tokens": gb["hf"]["tokens"],

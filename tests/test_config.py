@@ -105,3 +105,8 @@ def test_resume_from_something_that_is_not_a_checkpoint(tmp_path, toy_data):
     (tmp_path / "ckpt").mkdir()
     proc = run_train(f"--out_dir={tmp_path}", "--init_from=resume", check=False)
     assert proc.returncode != 0 and "ckpt" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_missing_model_folder_is_one_clear_error():
+    with pytest.raises(train.UserError, match="not found"):
+        train.load_model("out/no_such_run/ckpt", defaults(), None, None)

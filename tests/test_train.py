@@ -11,8 +11,9 @@ import train
 
 
 def tiny_setup(toy_data, algo, **overrides):
-    cfg = dict(defaults(), algo=algo, tokenizer_path=os.path.join(toy_data, "toy", "tokenizer"), n_layer=1, n_head=2, n_embd=32, block_size=128, micro_batch_size=3,
-               topk=10, loss_chunk=7, **overrides)
+    cfg = dict(defaults(), algo=algo, tokenizer_path=os.path.join(toy_data, "toy", "tokenizer"), n_layer=1, n_head=2,
+               n_embd=32, block_size=128, micro_batch_size=3, topk=10, loss_chunk=7)
+    cfg.update(overrides)
     model, tokenizer = train.load_model("scratch", cfg, torch.device("cpu"), torch.float32)
     return cfg, model, tokenizer
 
@@ -179,3 +180,25 @@ def test_collapse_guard_on_zero_accuracy_or_empty_responses():
     state["eval_len"]["a"] = 1.0
     train.check_collapse({"a": 0.3}, "a", state, dict(cfg, stop_on_collapse=False))
     train.check_collapse({"a": 0.3}, "a", state, dict(cfg, stop_on_collapse=False))  # off: never raises
+
+
+def test_teacher_reads_the_same_token_positions_as_the_student(toy_data):
+    """A live teacher given the student's own prompt is the student: divergence exactly ~0 on
+    every token, which only holds if both score the same response ids at the same positions."""
+    cfg, model, tokenizer = tiny_setup(toy_data, "sdpo", teacher="live", distill="full")
+    batch = hand_made_batch(tokenizer, with_teacher=True)
+    batch["teacher_prompts"] = list(batch["prompts"])
+    m = train.loss_backward(model, batch, cfg, torch.device("cpu"))
+    assert m["distill_tokens"] == sum(len(r) for r in batch["responses"])
+    assert abs(m["div_sum"]) < 1e-5 and abs(m["teacher_minus_student_sum"]) < 1e-4
+
+
+def test_micro_batch_split_does_not_change_the_step(toy_data):
+    """Token-mean over the whole step: 1 sequence per micro-batch gives the gradient of 8."""
+    grads = []
+    for mbs in (1, 8):
+        cfg, model, tokenizer = tiny_setup(toy_data, "sdpo", teacher="live", grpo_mix=0.5, micro_batch_size=mbs)
+        train.loss_backward(model, hand_made_batch(tokenizer, with_teacher=True), cfg, torch.device("cpu"))
+        grads.append([p.grad for p in model.parameters()])
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-7)

@@ -129,7 +129,8 @@ def write_domain(domain, seed, out_root):
     rows = test + train_rows
     os.makedirs(os.path.join(out_root, domain), exist_ok=True)
     for split, part in (("test", rows[:N_TEST]), ("train", rows[N_TEST:])):
-        with open(os.path.join(out_root, domain, f"{split}.jsonl"), "w") as f:
+        path = os.path.join(out_root, domain, f"{split}.jsonl")
+        with open(path + ".tmp", "w") as f:  # renamed into place when complete: never half-written
             for i, (question, answer, kind, solution) in enumerate(part):
                 line = {"id": f"{domain}-{split}-{i}", "domain": domain, "kind": kind,
                         "messages": [{"role": "user", "content": question}],
@@ -139,6 +140,7 @@ def write_domain(domain, seed, out_root):
                     content = teacher_context_example(question, solution, kind, answer, rng)
                     line = dict(line, id=line["id"] + "-ctx", messages=[{"role": "user", "content": content}])
                     f.write(json.dumps(line) + "\n")
+        os.replace(path + ".tmp", path)
 
 
 if __name__ == "__main__":
