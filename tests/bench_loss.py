@@ -24,7 +24,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from _fused import fused_token_loss, naive_token_loss  # noqa: E402
+from train import fused_token_loss, naive_token_loss, sampled_logprobs  # noqa: E402
 
 CPU_SIZES = [  # (N, H, V); the first is the main size
     (1024, 256, 151936),
@@ -33,7 +33,7 @@ CPU_SIZES = [  # (N, H, V); the first is the main size
 ]
 CUDA_SIZES = [
     (8192, 4096, 128256),
-    (16384, 2048, 151936),
+    (16384, 1024, 65536),
     (4096, 4096, 32768),
 ]
 
@@ -102,7 +102,10 @@ def make_problem(N, H, V, dtype, device, seed=0):
     w_t = (weight.detach().float().cpu() + 0.1 * torch.randn(V, H, generator=g) * H ** -0.5).to(device, dtype)
     tokens = torch.randint(0, V, (N,), generator=g).to(device)
     adv = torch.randn(N, generator=g).to(device)
-    old_logp = (-torch.rand(N, generator=g) * 5).to(device)
+    # behaviour-policy log-probs near the current ones, so the PPO ratio is ~1
+    # and some rows are clipped, as in a real update
+    old_logp = sampled_logprobs(h_leaf.detach(), weight.detach(), tokens)
+    old_logp += (0.2 * torch.randn(N, generator=g)).to(device)
     # rows come in "sequences" of 16..255 tokens; 3 of 4 sequences have a
     # teacher signal (so chunks are often partly distilled)
     lengths = torch.randint(16, 256, (N,), generator=g)

@@ -184,7 +184,9 @@ def main():
     ap.add_argument("--success_threshold", type=float, default=None,
                     help="SDPO peer threshold (default: train.py's 1.0; 0.0 for a scratch model, whose responses never succeed)")
     ap.add_argument("--micro_batch_size", type=int, default=train.micro_batch_size, help="sequences per forward/backward")
-    ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch threads (default 1: the toy model's ops are tiny, and on a shared 2-core CPU two OpenMP "
+                         "threads thrash, up to 5x slower; 0 = torch's default)")
     args = ap.parse_args()
     os.chdir(ROOT)
     if args.threads > 0:

@@ -95,7 +95,9 @@ def main():
     ap.add_argument("--top_p", type=float, default=0.95)
     ap.add_argument("--max_new_tokens", type=int, default=24)
     ap.add_argument("--seed", type=int, default=1337)
-    ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch threads (default 1: the toy model's ops are tiny, and on a shared 2-core CPU two OpenMP "
+                         "threads thrash, up to 5x slower; 0 = torch's default)")
     args = ap.parse_args()
     os.chdir(ROOT)
     if args.threads > 0:

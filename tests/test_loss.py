@@ -1,4 +1,4 @@
-"""Tests for _fused: the distillation divergences against independent
+"""Tests for train.py's fused loss: the distillation divergences against independent
 formulas, and the fused (chunked, gradients-in-forward) token loss against the
 naive full-logits + autograd reference."""
 import itertools
@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from _fused import distill_divergence, fused_token_loss, naive_token_loss, sampled_logprobs  # noqa: E402
+from train import distill_divergence, fused_token_loss, naive_token_loss, sampled_logprobs  # noqa: E402
 
 f64 = torch.float64
 
@@ -25,7 +25,7 @@ def one_thread():
 
 
 # ----------------------------------------------------------------------------- references
-# Written independently of _fused: explicit probabilities and sums.
+# Written independently of train.py's loss: explicit probabilities and sums.
 
 def ref_buckets(student_logits, teacher_logits, distill, k, tail):
     """Student / teacher bucket probabilities P, Q [n, buckets]."""
@@ -320,3 +320,20 @@ def test_sampled_logprobs():
         got = sampled_logprobs(C["h"], C["W"], C["tokens"], temperature=T, chunk_size=8)
         assert got.dtype == torch.float32 and got.shape == (37,) and not got.requires_grad
         torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("frozen", ["hidden", "weight"])
+def test_fused_with_one_input_frozen(frozen):
+    # e.g. a frozen LM head: only the hidden states get a gradient (and vice versa)
+    C = make_case()
+    loss_fn = grpo_distill_loss_fn(C, "topk")
+    kw = dict(alpha=0.5, distill="topk", topk=7, tail=True, temperature=0.7)
+    grads = []
+    for fn, extra in [(naive_token_loss, {}), (fused_token_loss, {"chunk_size": 8})]:
+        h = C["h"].clone().requires_grad_(frozen != "hidden")
+        W = C["W"].clone().requires_grad_(frozen != "weight")
+        loss, _ = fn(h, W, C["tokens"], loss_fn, C["teacher"], C["mask"], **kw, **extra)
+        loss.backward()
+        assert (h.grad is None) == (frozen == "hidden") and (W.grad is None) == (frozen == "weight")
+        grads.append(W.grad if frozen == "hidden" else h.grad)
+    assert_rel(grads[1], grads[0], 1e-9, "grad")

@@ -6,8 +6,8 @@ plus a character-level HF tokenizer with a chat template. Nothing is downloaded.
 
 Prompts are terse ("347+85", "sort dbca") to keep sequences short on a CPU; each domain's answer
 format is learned from its SFT data. Domains (distance from `add`, the usual first stage):
-    add   a+b, 2-digit numbers           \\boxed{}             -- the reference domain
-    sub   a-b (a >= b), 2-digit          \\boxed{}             -- near: same format, sibling skill
+    add   a+b, 2-digit + 1-digit         \\boxed{}             -- the reference domain
+    sub   a-b, 2-digit - 1-digit         \\boxed{}             -- near: same format, sibling skill
     mul   a*b, 2-digit x 1-digit         \\boxed{}             -- intermediate: same format, other skill
     sort  sort 3-5 letters               <answer></answer>    -- far: strings, other format
     rev   reverse 3-5 letters            <answer></answer>    -- far, and near to `sort`
@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))  # the repo root, for
 import train  # noqa: E402  (templates and the tokenizer builder live there)
 
 DOMAINS = ["add", "sub", "mul", "sort", "rev"]
-N_TRAIN, N_TEST = 5000, 200
+N_TRAIN, N_TEST = 5000, 100
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
 
 
@@ -37,7 +37,7 @@ def make_task(domain, rng):
     """Return (question, answer, kind, solution)."""
     if domain in ("add", "sub", "mul"):
         a = rng.randint(10, 99)
-        b = rng.randint(2, 9) if domain == "mul" else rng.randint(10, 99)
+        b = rng.randint(2, 9) if domain == "mul" else rng.randint(1, 9)
         if domain == "sub" and b > a:
             a, b = b, a
         op = {"add": "+", "sub": "-", "mul": "*"}[domain]
