@@ -3,7 +3,9 @@
 
     python tests/bench_step.py                                  # toy base if trained, else scratch
     python tests/bench_step.py --init_from=scratch --iters=3
-    python tests/bench_step.py --batch_prompts=32 --group_size=8 --max_new_tokens=32 --threads=2
+    python tests/bench_step.py --dataset=toy/sort --max_new_tokens=24  # sort/rev answers are 23 tokens
+    python tests/bench_step.py --no_ctx             # without the train set's teacher-context copies
+    python tests/bench_step.py --threads=0          # torch's default thread count (default here: 1)
 
 Iterations are assembled the way train.main assembles them (build_batch -> loss_backward ->
 optimizer_step -> ema_update), each algorithm on its own copy of the same initial weights, with
@@ -111,6 +113,7 @@ class Runner:
             "optimizer_s": t3 - t2, "ema_s": t4 - t3, "iter_s": t4 - t0,
             "tokens": metrics["tokens"], "acc": metrics["acc"], "loss_seqs": loss_seqs, "teacher_seqs": teacher_seqs,
             "seqs": n_seq, "reward": metrics["reward"],
+            "prompt_max_len": max(len(p) for p in batch["prompts"]),
             # tokens through the student forward+backward and through the teacher forward (unpadded), and how
             # many distinct teacher prompts there were (the rest repeat one: a shared prefix)
             "student_seq_tokens": sum(len(batch["prompts"][i]) + len(batch["responses"][i]) for i in used),
@@ -175,6 +178,9 @@ def main():
     ap.add_argument("--init_from", default=None,
                     help=f"'scratch' or an HF folder (default: {DEFAULT_CKPT} if it exists, else scratch)")
     ap.add_argument("--dataset", default="toy/add")
+    ap.add_argument("--no_ctx", action="store_true",
+                    help="drop the toy train set's teacher-context copies (ids ending in -ctx) from the prompts; "
+                         "training samples them, so by default they stay")
     ap.add_argument("--batch_prompts", type=int, default=16)
     ap.add_argument("--group_size", type=int, default=8)
     ap.add_argument("--max_new_tokens", type=int, default=16)
@@ -205,12 +211,16 @@ def main():
     try:
         base, tokenizer = train.load_model(args.init_from, cfg, dev, torch.float32)
         tasks = train.load_tasks(args.dataset, "train", cfg["data_dir"])
+        n_ctx = sum(str(t.get("id", "")).endswith("-ctx") for t in tasks)
+        if args.no_ctx:
+            tasks = [t for t in tasks if not str(t.get("id", "")).endswith("-ctx")]
     except train.UserError as e:
         sys.exit(f"error: {e}")
     n_params = sum(p.numel() for p in base.parameters())
     print(f"model {args.init_from} ({n_params / 1e6:.2f}M params, vocab {len(tokenizer)}), {args.dataset}, "
           f"{args.batch_prompts} prompts x {args.group_size} rollouts, max_new_tokens {args.max_new_tokens}, "
-          f"torch threads {torch.get_num_threads()}")
+          f"torch threads {torch.get_num_threads()}; train set has {n_ctx} teacher-context copies (-ctx), "
+          + ("dropped (--no_ctx)" if args.no_ctx else "sampled like the others (as training does)"))
     print(f"SDPO: teacher={cfg['teacher']} distill={cfg['distill']} topk={cfg['topk']} alpha={cfg['alpha']} "
           f"success_threshold={args.success_threshold}"
           + (" (scratch model: 0.0 so every response has a peer and the teacher forward runs)" if scratch else ""),
@@ -218,8 +228,11 @@ def main():
 
     runners = {a: Runner(a, base, tokenizer, cfg, dev) for a in ("grpo", "sdpo")}
     data_rng = random.Random(args.seed)
+    batches = []
     for k in range(args.iters + 1):
         step_tasks = [data_rng.choice(tasks) for _ in range(args.batch_prompts)]
+        if k > 0:
+            batches.append(step_tasks)
         order = ["grpo", "sdpo"] if k % 2 == 1 or k == 0 else ["sdpo", "grpo"]  # ABBA after the warm-up
         recs = {a: runners[a].step(step_tasks, args.seed + k) for a in order}
         if k > 0:
@@ -227,14 +240,15 @@ def main():
                 runners[a].records.append(recs[a])
         print(f"  iter {k}{' (warm-up)' if k == 0 else ''}: " + ", ".join(
             f"{a} {recs[a]['iter_s']:.3f}s ({recs[a]['tokens']} tok, {recs[a]['loss_seqs']} seqs in loss)"
-            for a in ("grpo", "sdpo")), flush=True)
+            for a in ("grpo", "sdpo")) + f"; longest prompt {recs['grpo']['prompt_max_len']} tokens", flush=True)
 
     summ = {}
     for a, r in runners.items():
         recs = r.records
         summ[a] = {key: median([x[key] for x in recs]) for key in
                    PHASES + ["loss_other_s", "iter_s", "tokens", "tok_s", "acc", "reward", "loss_seqs", "teacher_seqs", "seqs",
-                    "student_seq_tokens", "teacher_seq_tokens", "teacher_prompt_tokens", "teacher_unique_prompts"]}
+                    "student_seq_tokens", "teacher_seq_tokens", "teacher_prompt_tokens", "teacher_unique_prompts",
+                    "prompt_max_len"]}
     g, s = summ["grpo"], summ["sdpo"]
     ratio = s["iter_s"] / g["iter_s"]
     # the same ratio pair by pair (each pair ran back to back)
@@ -246,7 +260,7 @@ def main():
         print(f"{key[:-2]:<14}{g[key]:>10.4f}{s[key]:>10.4f}{s[key] - g[key]:>+11.4f}")
     print("(gen = train.generate + decode; context = advantages, teacher prompts, density masks; "
           "student = student forward + fused loss + backward)")
-    for key, label, fmt in (("tokens", "resp tokens", ".0f"), ("tok_s", "resp tok/s", ".0f"), ("reward", "reward", ".3f"),
+    for key, label, fmt in (("prompt_max_len", "max prompt", ".0f"), ("tokens", "resp tokens", ".0f"), ("tok_s", "resp tok/s", ".0f"), ("reward", "reward", ".3f"),
                             ("loss_seqs", "seqs in loss", ".0f"), ("student_seq_tokens", "student tok", ".0f"),
                             ("teacher_seqs", "teacher seqs", ".0f"), ("teacher_seq_tokens", "teacher tok", ".0f"),
                             ("teacher_prompt_tokens", "  of prompt", ".0f"), ("teacher_unique_prompts", "uniq t.prompts", ".0f")):
@@ -257,12 +271,13 @@ def main():
         print("note: GRPO had no sequence with signal (all-equal rewards), so its iteration is rollout + reward only")
 
     gen_model = copy.deepcopy(base).eval()
-    prompts = [train.prompt_ids(tokenizer, t["messages"]) for t in
-               [random.Random(args.seed + 1).choice(tasks) for _ in range(args.batch_prompts)]]
+    prompts = [train.prompt_ids(tokenizer, t["messages"]) for t in batches[0]]  # the first timed iteration's prompts
+    plens = sorted(len(p) for p in prompts)
     gb = bench_generate(gen_model, tokenizer, prompts, args, dev)
     speedup = gb["hf"]["s"] / gb["rollout"]["s"]
-    print(f"\ngeneration, {args.batch_prompts} prompts x {args.group_size} samples, max_new_tokens {args.max_new_tokens}, "
-          f"median of {args.gen_runs} interleaved runs")
+    print(f"\ngeneration, {args.batch_prompts} prompts (those of the first timed iteration; prompt lengths "
+          f"{plens[0]}..{plens[-1]}, median {plens[len(plens) // 2]}) x {args.group_size} samples, "
+          f"max_new_tokens {args.max_new_tokens}, median of {args.gen_runs} interleaved runs")
     print(f"{'method':<16}{'seconds':>10}{'tokens':>10}{'tok/s':>10}   runs")
     for name, label in (("rollout", "train.generate"), ("hf", "HF generate")):
         x = gb[name]
@@ -284,7 +299,7 @@ def main():
         "rollout_tokens": gb["rollout"]["tokens"], "hf_generate_tokens": gb["hf"]["tokens"],
         "settings": {"init_from": args.init_from, "dataset": args.dataset, "batch_prompts": args.batch_prompts,
                      "group_size": args.group_size, "max_new_tokens": args.max_new_tokens, "iters": args.iters,
-                     "gen_runs": args.gen_runs, "seed": args.seed, "success_threshold": args.success_threshold,
+                     "gen_runs": args.gen_runs, "seed": args.seed, "no_ctx": args.no_ctx, "success_threshold": args.success_threshold,
                      "teacher": cfg["teacher"], "distill": cfg["distill"], "topk": cfg["topk"],
                      "micro_batch_size": cfg["micro_batch_size"], "threads": torch.get_num_threads(),
                      "params": n_params, "vocab": len(tokenizer)},
