@@ -3,7 +3,7 @@
 out_dir = "out/toy_base"
 init_from = "scratch"
 algo = "sft"
-dataset = "toy/add+toy/sub+toy/mul+toy/sort+toy/rev"
+dataset = "toy/add+toy/sub+toy/mul+toy/sort+toy/rev+toy/context"
 eval_sets = "toy/add,toy/sub,toy/mul,toy/sort,toy/rev"
 max_iters = 800
 batch_prompts = 64

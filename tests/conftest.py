@@ -21,7 +21,7 @@ def toy_data():
     """data/toy prepared (the tokenizer and five domains); returns the data dir."""
     data = os.path.join(ROOT, "data")
     if not os.path.exists(os.path.join(data, "toy", "tokenizer", "tokenizer_config.json")) or \
-            not os.path.exists(os.path.join(data, "toy", "rev", "test.jsonl")):
+            not os.path.exists(os.path.join(data, "toy", "context", "train.jsonl")):
         subprocess.run([sys.executable, os.path.join(data, "toy", "prepare.py")], check=True, cwd=ROOT)
     return data
 

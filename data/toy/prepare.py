@@ -14,9 +14,10 @@ format is learned from its SFT data. Domains (distance from `add`, the usual fir
 Two answer formats make format leakage measurable: a `\\boxed{}` in a string task (or an
 `<answer>` tag in an arithmetic one) is another domain's format showing up.
 
-Training lines carry `solution` (the reference response, used by SFT). A fraction of them are in
+Training lines carry `solution` (the reference response, used by SFT). Copies of ~30% of them in
 the SDPO teacher-context format (the prompt followed by a correct solution, or by feedback on a
-wrong attempt), so the SFT base learns, like a real LLM, to use a demonstration in context.
+wrong attempt) go to data/toy/context/train.jsonl, which the SFT base mixes in so that, like a
+real LLM, it learns to use a demonstration in context; RL stages never sample them.
 The templates are train.py's defaults, read from there so the two never disagree.
 """
 import json
@@ -113,7 +114,9 @@ def bytes_to_unicode():
 
 def write_domain(domain, seed, out_root):
     """N_TEST distinct test questions, then N_TRAIN training draws (repeats allowed: some domains
-    have only a few thousand distinct questions) that never hit a test question."""
+    have only a few thousand distinct questions) that never hit a test question. Returns the
+    teacher-context copies of ~30% of the training tasks (SFT-only data, written separately)."""
+    context_lines = []
     rng = random.Random(f"{seed}-{domain}")
     test, seen = [], set()
     while len(test) < N_TEST:
@@ -138,15 +141,22 @@ def write_domain(domain, seed, out_root):
                 f.write(json.dumps(line) + "\n")
                 if split == "train" and rng.random() < 0.3:  # teacher-context copy of the same task
                     content = teacher_context_example(question, solution, kind, answer, rng)
-                    line = dict(line, id=line["id"] + "-ctx", messages=[{"role": "user", "content": content}])
-                    f.write(json.dumps(line) + "\n")
+                    context_lines.append(dict(line, id=line["id"] + "-ctx", messages=[{"role": "user", "content": content}]))
         os.replace(path + ".tmp", path)
+    return context_lines
 
 
 if __name__ == "__main__":
-    for domain in DOMAINS:
-        write_domain(domain, seed=1337, out_root=HERE)
+    context = [line for domain in DOMAINS for line in write_domain(domain, seed=1337, out_root=HERE)]
+    # the teacher-context copies live in their own set, toy/context (train only), so that SFT can
+    # mix them in (config/toy_base.py) while RL never samples a prompt that holds its own answer
+    os.makedirs(os.path.join(HERE, "context"), exist_ok=True)
+    path = os.path.join(HERE, "context", "train.jsonl")
+    with open(path + ".tmp", "w") as f:
+        f.writelines(json.dumps(line) + "\n" for line in context)
+    os.replace(path + ".tmp", path)
     tokenizer = build_char_tokenizer()
     tokenizer.save_pretrained(os.path.join(HERE, "tokenizer"))
-    print(f"wrote {', '.join(DOMAINS)} ({N_TRAIN} train + teacher-context copies, {N_TEST} test each) "
+    print(f"wrote {', '.join(DOMAINS)} ({N_TRAIN} train, {N_TEST} test each), {len(context)} teacher-context "
+          f"training lines in context/train.jsonl "
           f"and a {len(tokenizer)}-token character tokenizer to {HERE}")
