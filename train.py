@@ -1705,6 +1705,43 @@ def response_hidden(model, prompts, responses, dev):
     return response_rows(h, [len(p) for p in prompts], [len(r) for r in responses])
 
 
+@torch.no_grad()
+def shared_prompt_hidden(model, prompts, responses, dev):
+    """response_hidden without grad, running each distinct prompt once: a group's responses share
+    one teacher prompt (its first successful peer), so its KV cache is computed once and reused.
+
+    Prompts are left-padded into one prefill; the responses (right-padded) continue from the
+    selected cache rows at positions len(prompt), len(prompt)+1, ..."""
+    from transformers import DynamicCache
+    unique = list(dict.fromkeys(tuple(p) for p in prompts))
+    which = torch.tensor([unique.index(tuple(p)) for p in prompts], device=dev)
+    width = max(len(p) for p in unique)
+    ids = torch.zeros(len(unique), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(unique):
+        ids[i, width - len(p):] = torch.tensor(p)
+        mask[i, width - len(p):] = 1
+    ids, mask = ids.to(dev), mask.to(dev)
+    cache = DynamicCache()
+    first = model.model(ids, mask, (mask.cumsum(-1) - 1).clamp(min=0), cache, use_cache=True).last_hidden_state[:, -1]
+    rest_width = max(len(r) for r in responses) - 1  # the last response token predicts nothing
+    rest = None
+    if rest_width > 0:
+        cache.batch_select_indices(which)
+        rest_ids = torch.zeros(len(responses), rest_width, dtype=torch.long)
+        rest_mask = torch.zeros_like(rest_ids)
+        for i, r in enumerate(responses):
+            rest_ids[i, :len(r) - 1] = torch.tensor(r[:-1])
+            rest_mask[i, :len(r) - 1] = 1
+        lengths = mask.sum(-1)[which]
+        position = lengths[:, None] + torch.arange(rest_width, device=dev)[None]
+        full_mask = torch.cat([mask[which], rest_mask.to(dev)], dim=1)
+        rest = model.model(rest_ids.to(dev), full_mask, position, cache, use_cache=True).last_hidden_state
+    rows = [torch.cat([first[which[i]][None]] + ([rest[i, :len(r) - 1]] if len(r) > 1 else []), 0)
+            for i, r in enumerate(responses)]
+    return torch.cat(rows, 0)
+
+
 def teacher_parts(mode, rate, model, teacher_model, initial_model, teacher_prompts, responses, dev):
     """Teacher logits as [(hidden [N,H], lm weight, coef)], rows of samples without a teacher
     prompt left at zero (they are outside div_rows, so never read). No grad."""
@@ -1713,7 +1750,7 @@ def teacher_parts(mode, rate, model, teacher_model, initial_model, teacher_promp
     offsets = [0] + list(itertools.accumulate(lengths))
 
     def rows(m):
-        h = response_hidden(m, [teacher_prompts[i] for i in has], [responses[i] for i in has], dev)
+        h = shared_prompt_hidden(m, [teacher_prompts[i] for i in has], [responses[i] for i in has], dev)
         full = h.new_zeros(offsets[-1], h.shape[-1])
         at = 0
         for i in has:

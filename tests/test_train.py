@@ -202,3 +202,17 @@ def test_micro_batch_split_does_not_change_the_step(toy_data):
         grads.append([p.grad for p in model.parameters()])
     for a, b in zip(*grads):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-7)
+
+
+def test_shared_prompt_hidden_equals_one_forward_per_sequence(toy_data):
+    """The teacher's prefix sharing (one prefill per distinct prompt) changes no number."""
+    cfg, model, tokenizer = tiny_setup(toy_data, "sdpo")
+    model.eval()
+    p1, p2 = [1, 5, 6, 7, 8, 9, 10], [1, 11, 12]
+    prompts = [p1, p1, p2, p1, p2]
+    responses = [[20, 21, 22, 2], [23, 2], [24, 25, 26, 27, 28, 2], [2], [29, 30, 2]]
+    with torch.no_grad():
+        plain = train.response_hidden(model, prompts, responses, torch.device("cpu"))
+    shared = train.shared_prompt_hidden(model, prompts, responses, torch.device("cpu"))
+    assert shared.shape == plain.shape == (sum(map(len, responses)), 32)
+    torch.testing.assert_close(shared, plain, atol=1e-5, rtol=1e-5)
