@@ -974,6 +974,18 @@ def response_mask(tokens, eos_id):
     return eos_before == 0
 
 
+def left_pad(prompts, pad_id):
+    """Token-id lists -> (ids [B, T], attention mask [B, T]), padded on the left so that every
+    prompt ends at the last column, where generation continues."""
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):] = torch.tensor(p)
+        mask[i, width - len(p):] = 1
+    return ids, mask
+
+
 @torch.no_grad()
 def generate(model, prompts, group_size, max_new_tokens, temperature, top_p, eos_id, pad_id, generator):
     """Sample `group_size` responses to each prompt (list of token-id lists).
@@ -982,13 +994,7 @@ def generate(model, prompts, group_size, max_new_tokens, temperature, top_p, eos
     decoding stops as soon as every row has produced EOS."""
     from transformers import DynamicCache
     dev = next(model.parameters()).device
-    width = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, p in enumerate(prompts):
-        ids[i, width - len(p):] = torch.tensor(p)
-        mask[i, width - len(p):] = 1
-    ids, mask = ids.to(dev), mask.to(dev)
+    ids, mask = (t.to(dev) for t in left_pad(prompts, pad_id))
     position = (mask.cumsum(-1) - 1).clamp(min=0)
     cache = DynamicCache()
     logits = model(ids, mask, position, cache, use_cache=True, logits_to_keep=1).logits[:, -1]
@@ -1715,13 +1721,7 @@ def shared_prompt_hidden(model, prompts, responses, dev):
     from transformers import DynamicCache
     unique = list(dict.fromkeys(tuple(p) for p in prompts))
     which = torch.tensor([unique.index(tuple(p)) for p in prompts], device=dev)
-    width = max(len(p) for p in unique)
-    ids = torch.zeros(len(unique), width, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, p in enumerate(unique):
-        ids[i, width - len(p):] = torch.tensor(p)
-        mask[i, width - len(p):] = 1
-    ids, mask = ids.to(dev), mask.to(dev)
+    ids, mask = (t.to(dev) for t in left_pad(unique, 0))
     cache = DynamicCache()
     first = model.model(ids, mask, (mask.cumsum(-1) - 1).clamp(min=0), cache, use_cache=True).last_hidden_state[:, -1]
     rest_width = max(len(r) for r in responses) - 1  # the last response token predicts nothing

@@ -125,20 +125,10 @@ class Runner:
         return rec
 
 
-def left_pad(prompts, pad_id):
-    width = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, p in enumerate(prompts):
-        ids[i, width - len(p):] = torch.tensor(p)
-        mask[i, width - len(p):] = 1
-    return ids, mask
-
-
 def bench_generate(model, tokenizer, prompts, args, dev):
     """Median seconds and tokens/s of train.generate vs HF generate, interleaved (ABBA)."""
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
-    ids, mask = left_pad(prompts, pad)
+    ids, mask = train.left_pad(prompts, pad)
     ids, mask = ids.to(dev), mask.to(dev)
     width = ids.shape[1]
 
