@@ -1,8 +1,8 @@
-# GRPO on the toy `add` domain, starting from the SFT toy base (python train.py config/toy_base.py).
+# GRPO on the toy `sort` domain, starting from the SFT toy base (python train.py config/toy_base.py).
 out_dir = "out/grpo_toy"
 init_from = "out/toy_base/ckpt"
 algo = "grpo"
-dataset = "toy/add"
+dataset = "toy/sort"
 max_iters = 60
 batch_prompts = 16
 group_size = 8

@@ -1,9 +1,9 @@
-# SDPO on the toy `add` domain from the SFT toy base: same batch and budget as grpo_toy.py,
+# SDPO on the toy `sort` domain from the SFT toy base: same batch and budget as grpo_toy.py,
 # so the two are a side-by-side comparison. Try --density=0.5, --teacher=frozen, --alpha=1.
 out_dir = "out/sdpo_toy"
 init_from = "out/toy_base/ckpt"
 algo = "sdpo"
-dataset = "toy/add"
+dataset = "toy/sort"
 max_iters = 60
 batch_prompts = 16
 group_size = 8

@@ -2,8 +2,8 @@
 GRPO vs SDPO on one toy domain, same iterations, batch and seed: in-domain test accuracy
 (mean@4 at temperature 0.6) at every eval, side by side, then a JSON last line.
 
-    python tests/grpo_vs_sdpo.py                         # toy/add, config/grpo_toy.py vs config/sdpo_toy.py
-    python tests/grpo_vs_sdpo.py --dataset=toy/sort --seed=2
+    python tests/grpo_vs_sdpo.py                         # toy/sort, config/grpo_toy.py vs config/sdpo_toy.py
+    python tests/grpo_vs_sdpo.py --dataset=toy/add --seed=2
 Needs the toy base: python data/toy/prepare.py && python train.py config/toy_base.py
 """
 import argparse
@@ -23,7 +23,7 @@ def curve(out_dir, dataset):
 
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--dataset", default="toy/add")
+    p.add_argument("--dataset", default="toy/sort")
     p.add_argument("--seed", type=int, default=1337)
     p.add_argument("--out_root", default="out/grpo_vs_sdpo")
     p.add_argument("extra", nargs="*", help="more --key=value overrides for both runs")
