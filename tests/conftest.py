@@ -26,9 +26,10 @@ def toy_data():
     return data
 
 
-def run_train(*args, check=True):
+def run_train(*args, check=True, env=None):
     """Run `python train.py args...` from the repo root; returns the CompletedProcess."""
-    proc = subprocess.run([sys.executable, "train.py", *args], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run([sys.executable, "train.py", *args], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                          env=dict(os.environ, **(env or {})))
     if check and proc.returncode != 0:
         raise AssertionError(f"train.py {' '.join(args)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     return proc
