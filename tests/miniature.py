@@ -3,7 +3,8 @@ The paper in miniature: continual post-training on the toy suite (add -> mul -> 
 domains scored after every stage), GRPO against SDPO at density 1, 0.5 and 0.25 and SDPO with a
 frozen instead of an EMA teacher. Each arm is one `train.py` run and one `eval.py` run; this
 script runs them in turn (skipping arms whose eval.json already exists) and prints the table
-that README's "The paper in miniature" shows, then a JSON last line.
+that README's "The paper in miniature" shows (one row per run, then each arm's mean over its
+seeds), then a JSON last line.
 
     python tests/miniature.py                      # seed 1337, every arm
     python tests/miniature.py --seeds=1,2,3 --arms=grpo,sdpo_d1
@@ -60,6 +61,15 @@ if __name__ == "__main__":
     rows = [arm(a, int(s), args.out_root) for a in args.arms.split(",") for s in args.seeds.split(",")]
     cols = list(rows[0])
     print("| " + " | ".join(cols) + " |\n|" + "---|" * len(cols))
+    fmt = lambda v: f"{v:.3f}" if isinstance(v, float) else str(v)  # noqa: E731
     for r in rows:
-        print("| " + " | ".join(f"{v:.3f}" if isinstance(v, float) else str(v) for v in r.values()) + " |")
-    print(json.dumps(rows))
+        print("| " + " | ".join(map(fmt, r.values())) + " |")
+    means = []  # each arm's mean over its seeds
+    for a in dict.fromkeys(r["arm"] for r in rows):
+        mine = [r for r in rows if r["arm"] == a]
+        means.append({"arm": a, "seed": f"mean of {len(mine)}",
+                      **{k: sum(r[k] for r in mine) / len(mine) for k in cols[2:]}})
+    print("\n| " + " | ".join(cols) + " |\n|" + "---|" * len(cols))
+    for r in means:
+        print("| " + " | ".join(map(fmt, r.values())) + " |")
+    print(json.dumps({"rows": rows, "means": means}))
