@@ -1588,12 +1588,6 @@ def ema_update(teacher_model, student_model, rate):
     torch._foreach_lerp_(t, s, rate)
 
 
-@torch.no_grad()
-def mix_weights(target_model, other_model, weight):
-    """target ← (1 − weight)·target + weight·other (teacher_init_alpha)."""
-    ema_update(target_model, other_model, weight)
-
-
 def load_model(init, cfg, dev, torch_dtype):
     """Return (model, tokenizer) for 'scratch', or an HF folder / hub id."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
@@ -1632,6 +1626,14 @@ def pass_at_k(n, c, k):
     return 1.0 - math.prod((n - c - i) / (n - i) for i in range(k))
 
 
+def accuracy_summary(scores, success_threshold=1.0):
+    """Per-task lists of n scores -> mean@n (mean score) and pass@n (any sample correct)."""
+    n = len(scores[0])
+    correct = [sum(s >= success_threshold for s in row) for row in scores]
+    return {f"mean@{n}": sum(map(sum, scores)) / (n * len(scores)),
+            f"pass@{n}": sum(pass_at_k(n, c, n) for c in correct) / len(correct)}
+
+
 @torch.no_grad()
 def evaluate(model, tokenizer, tasks, n, temperature, top_p, max_new_tokens, batch_prompts, generator,
              enable_thinking=False, success_threshold=1.0, progress=False):
@@ -1653,10 +1655,8 @@ def evaluate(model, tokenizer, tasks, n, temperature, top_p, max_new_tokens, bat
             texts.append([rollout.texts[r] for r in rows])
             lengths.extend(len(rollout.response_ids[r]) for r in rows)
     model.train(was_training)
-    correct = [sum(s >= success_threshold for s in row) for row in scores]
     return {
-        f"mean@{n}": sum(map(sum, scores)) / (n * len(scores)),
-        f"pass@{n}": sum(pass_at_k(n, c, n) for c in correct) / len(correct),
+        **accuracy_summary(scores, success_threshold),
         "mean_len": sum(lengths) / len(lengths),
         "scores": scores,
         "texts": texts,
@@ -2017,7 +2017,8 @@ def main(cfg):
     if cfg["algo"] == "sdpo" and cfg["teacher"] in ("frozen", "ema"):
         teacher_model = frozen_copy(initial_model if initial_model is not None else model)
         if cfg["teacher_init"] and not resume:
-            mix_weights(teacher_model, load_model(cfg["teacher_init"], cfg, dev, torch.float32)[0], cfg["teacher_init_alpha"])
+            # θ_T ← (1 − a)·θ_T + a·θ_init: the EMA update's formula, applied once
+            ema_update(teacher_model, load_model(cfg["teacher_init"], cfg, dev, torch.float32)[0], cfg["teacher_init_alpha"])
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg["learning_rate"], betas=(cfg["beta1"], cfg["beta2"]),
                                   weight_decay=cfg["weight_decay"])
     generator = torch.Generator().manual_seed(cfg["seed"] + ddp.rank)  # sampling and density masks, per rank
@@ -2063,11 +2064,10 @@ def main(cfg):
                                cfg["enable_thinking"], cfg["success_threshold"])
             parts = ddp.gather((res["scores"], res["mean_len"] * n * len(res["scores"])))
             scores = [row_scores for p in parts for row_scores in p[0]]
-            correct = [sum(x >= cfg["success_threshold"] for x in r) for r in scores]
-            row[name] = sum(map(sum, scores)) / (n * len(scores))
+            acc = accuracy_summary(scores, cfg["success_threshold"])
+            row[name] = acc[f"mean@{n}"]
             state["eval_len"][name] = sum(p[1] for p in parts) / (n * len(scores))
-            log({"iter": state["iter"], "eval": name, "tag": tag, f"mean@{n}": row[name],
-                 f"pass@{n}": sum(pass_at_k(n, c, n) for c in correct) / len(correct), "mean_len": state["eval_len"][name]})
+            log({"iter": state["iter"], "eval": name, "tag": tag, **acc, "mean_len": state["eval_len"][name]})
         say(f"eval @ iter {state['iter']} ({tag}): " + ", ".join(f"{k} mean@{n} {v:.3f}" for k, v in row.items()), flush=True)
         return row
 
