@@ -326,36 +326,12 @@ def repetition_loop(text):
     return False
 
 
-def final_answer(text, kind):
-    """The final answer train.reward would read for `kind`, or None (nothing extractable).
-
-    math: the last \\boxed{}; exact: the last <answer>…</answer>; mcq: that tag, else a
-    \\boxed{} letter, else "the answer is (X)"; tool: the Action names. Blank counts as None."""
-    text = text or ""
-    if kind == "math":
-        got = train.extract_boxed(text)
-    elif kind == "exact":
-        got = train._last_tag(text)[0]
-    elif kind == "mcq":
-        got = train._last_tag(text)[0]
-        if got is None:
-            got = train.extract_boxed(text)
-        if got is None:
-            got = ([m.group(1) for m in train._ANSWER_IS_RE.finditer(text[-3000:])] or [None])[-1]
-    elif kind == "tool":
-        calls = train._parse_tool_calls(text)[0]
-        got = " ".join(name for name, _ in calls)
-    else:
-        got = text
-    return got if got is not None and got.strip() else None
-
-
 def format_artifacts(texts, kinds, lengths):
     """Artifact rates over responses (texts[i] answers a task of kind kinds[i], lengths[i] tokens).
 
     foreign_format: fraction with another domain's answer format (foreign_formats);
     repetition: fraction stuck in a loop (repetition_loop); empty_answer: fraction that are blank
-    or have no extractable final answer (final_answer); mean_len: mean tokens per response;
+    or have no extractable final answer (train.final_answer); mean_len: mean tokens per response;
     formats: the fraction showing each answer format at all."""
     m = len(texts)
     if m == 0:
@@ -364,7 +340,7 @@ def format_artifacts(texts, kinds, lengths):
         "n": m,
         "foreign_format": sum(bool(foreign_formats(t, kd)) for t, kd in zip(texts, kinds)) / m,
         "repetition": sum(repetition_loop(t) for t in texts) / m,
-        "empty_answer": sum(final_answer(t, kd) is None for t, kd in zip(texts, kinds)) / m,
+        "empty_answer": sum(train.final_answer(kd, t) is None for t, kd in zip(texts, kinds)) / m,
         "mean_len": sum(lengths) / m,
         "formats": {name: sum(bool(rx.search(t)) for t in texts) / m for name, rx in FORMATS.items()},
     }

@@ -33,7 +33,8 @@ One iteration of the loop, in the order the code runs:
                         bucket), or the sampled-token estimator sg(log p − log q)·log p.
                 All of it goes through one fused, chunked LM-head loss (fused_loss=True) so no
                 [tokens, vocab] logits tensor is ever materialised whole.
-  6. step       AdamW, linear warmup then constant lr, grad clipping; then the teacher update.
+  6. step       AdamW, linear warmup then constant lr (or a cosine to min_lr with decay_lr),
+                grad clipping; then the teacher update.
   7. log        one line per iteration + out_dir/log.jsonl; periodic eval (mean@n) and atomic
                 HF-format checkpoints that `init_from="resume"` continues exactly.
 Continual post-training: `stages="toy/add:200,toy/mul:200"` runs those datasets in turn,
@@ -48,6 +49,8 @@ Simplifications, on purpose:
   - Token-mean losses divide by the token count of the whole step (all micro-batches), so the
     step size does not depend on how the batch is split.
   - Generation is plain HF forward calls with a DynamicCache; no vLLM, no paged attention.
+    static_rollout=True moves the prefilled cache into a StaticCache and decodes through a
+    torch.compile'd step (CUDA graphs on a GPU): a fixed-shape fast path, not a serving engine.
 """
 import ast
 import cmath
@@ -109,9 +112,12 @@ micro_batch_size = 64  # sequences per forward/backward (gradient accumulation o
 max_new_tokens = 64  # response length cap
 temperature = 1.0  # rollout sampling temperature (also divides the training logits)
 top_p = 1.0  # rollout nucleus sampling
+static_rollout = False  # decode into a static KV cache through a torch.compile'd step (CUDA graphs on GPU; compiles once per shape)
 # optimizer
-learning_rate = 1e-5  # AdamW lr after warmup (constant)
+learning_rate = 1e-5  # AdamW lr after warmup
 warmup_iters = 10  # linear warmup steps
+decay_lr = False  # cosine-decay the lr from learning_rate to min_lr over the run (else constant)
+min_lr = 0.0  # the lr at the last iteration when decay_lr
 weight_decay = 0.01  # AdamW weight decay
 beta1 = 0.9  # AdamW beta1
 beta2 = 0.999  # AdamW beta2
@@ -186,6 +192,8 @@ def check_config(cfg):
     for key in POSITIVE:
         if cfg[key] <= 0:
             raise UserError(f"{key}={cfg[key]} must be positive")
+    if not 0 <= cfg["min_lr"] <= cfg["learning_rate"]:
+        raise UserError(f"min_lr={cfg['min_lr']} must be in [0, learning_rate={cfg['learning_rate']}]")
     for key in ("temperature", "eval_temperature"):
         if cfg[key] <= 0:
             raise UserError(f"{key}={cfg[key]} must be > 0 (sampling needs a temperature)")
@@ -280,6 +288,32 @@ def reward(kind, response, answer):
     except Exception as e:  # RecursionError, MemoryError, ...: a checker must not stop training
         return 0.0, f"could not check the response ({type(e).__name__})"
 
+
+
+def final_answer(kind, response):
+    """The final answer reward() reads for `kind`, or None when there is none (or it is blank).
+
+    math: the last \\boxed{}; exact: the last <answer>…</answer>; mcq: that tag, else a
+    \\boxed{}, else "the answer is (X)"; tool: the Action names. Used to measure empty answers."""
+    try:
+        text = "" if response is None else str(response)
+        if kind == "math":
+            got = _last_boxed(text)[0]
+        elif kind == "exact":
+            got = _last_tag(text)[0]
+        elif kind == "mcq":
+            got = _last_tag(text)[0]
+            if got is None:
+                got = _last_boxed(text)[0]
+            if got is None:
+                got = ([m.group(1) for m in _ANSWER_IS_RE.finditer(text[-3000:])] or [None])[-1]
+        elif kind == "tool":
+            got = " ".join(name for name, _ in _parse_tool_calls(text)[0])
+        else:
+            got = text
+    except Exception:  # like reward(): hostile text never raises
+        return None
+    return got if got is not None and got.strip() else None
 
 def _reward_answer_str(answer):
     if isinstance(answer, float) and answer.is_integer():
@@ -987,11 +1021,14 @@ def left_pad(prompts, pad_id):
 
 
 @torch.no_grad()
-def generate(model, prompts, group_size, max_new_tokens, temperature, top_p, eos_id, pad_id, generator):
+def generate(model, prompts, group_size, max_new_tokens, temperature, top_p, eos_id, pad_id, generator,
+             static=False):
     """Sample `group_size` responses to each prompt (list of token-id lists).
 
     Prompts are left-padded and prefilled once; the KV cache is then repeated for the group, and
-    decoding stops as soon as every row has produced EOS."""
+    decoding stops as soon as every row has produced EOS. static=True decodes into a preallocated
+    StaticCache through a torch.compile'd step: every decode step has the same shapes, so on CUDA
+    the step is captured once as a CUDA graph and replayed (no per-token Python/launch overhead)."""
     from transformers import DynamicCache
     dev = next(model.parameters()).device
     ids, mask = (t.to(dev) for t in left_pad(prompts, pad_id))
@@ -1003,6 +1040,9 @@ def generate(model, prompts, group_size, max_new_tokens, temperature, top_p, eos
     mask = mask.repeat_interleave(group_size, 0)
     position = position[:, -1:].repeat_interleave(group_size, 0)
     rows = logits.shape[0]
+    step = decode_step
+    if static:
+        cache, mask, step = static_decoding(model, cache, mask, max_new_tokens)
     tokens, logps = [], []
     done = torch.zeros(rows, dtype=torch.bool, device=dev)
     for _ in range(max_new_tokens):
@@ -1013,9 +1053,10 @@ def generate(model, prompts, group_size, max_new_tokens, temperature, top_p, eos
         done |= token == eos_id
         if done.all():
             break
-        mask = torch.cat([mask, mask.new_ones(rows, 1)], dim=1)
+        if not static:
+            mask = torch.cat([mask, mask.new_ones(rows, 1)], dim=1)
         position = position + 1
-        logits = model(token[:, None], mask, position, cache, use_cache=True).logits[:, -1]
+        logits = step(model, token, mask, position, cache)
     tokens, logps = torch.stack(tokens, 1).cpu(), torch.stack(logps, 1).cpu()
     keep = response_mask(tokens, eos_id)
     lengths = keep.sum(-1).tolist()
@@ -1027,6 +1068,43 @@ def generate(model, prompts, group_size, max_new_tokens, temperature, top_p, eos
         texts=None,
         truncated=[eos_id not in r for r in response_ids],
     )
+
+
+def decode_step(model, token, mask, position, cache):
+    """One decoding step: the next-token logits [rows, V] for the last sampled tokens."""
+    return model(token[:, None], mask, position, cache, use_cache=True).logits[:, -1]
+
+
+_static_caches, _compiled_steps = {}, {}
+
+
+def static_decoding(model, prefill_cache, mask, max_new_tokens, round_to=64):
+    """Move a prefilled DynamicCache into a StaticCache; return (cache, attention mask, step).
+
+    The cache length is rounded up to a multiple of `round_to` and cache buffers are kept per
+    shape, so a run compiles a handful of shapes once and then reuses them. The mask already
+    covers every future position (the causal mask hides the unwritten ones): one shape per decode."""
+    from transformers import StaticCache
+    rows, width = mask.shape
+    length = -(-(width + max_new_tokens) // round_to) * round_to
+    k = prefill_cache.layers[0].keys
+    key = (rows, length, len(prefill_cache.layers), k.shape[1], k.shape[3], k.dtype, k.device)
+    if key not in _static_caches:
+        _static_caches[key] = StaticCache(config=model.config, max_cache_len=length)
+    cache = _static_caches[key]
+    cache.reset()
+    for static_layer, layer in zip(cache.layers, prefill_cache.layers):
+        static_layer.update(layer.keys, layer.values)  # writes positions 0..width-1
+    mask = torch.cat([mask, mask.new_ones(rows, length - width)], dim=1)
+    cuda = mask.device.type == "cuda"
+    if cuda not in _compiled_steps:  # CUDA: capture each step shape once as a CUDA graph
+        _compiled_steps[cuda] = torch.compile(decode_step, mode="reduce-overhead" if cuda else "default")
+
+    def step(*args):
+        if cuda:  # the previous step's graph outputs are consumed; let the next replay reuse them
+            torch.compiler.cudagraph_mark_step_begin()
+        return _compiled_steps[cuda](*args)
+    return cache, mask, step
 
 
 def decode_responses(tokenizer, rollout):
@@ -1636,7 +1714,7 @@ def accuracy_summary(scores, success_threshold=1.0):
 
 @torch.no_grad()
 def evaluate(model, tokenizer, tasks, n, temperature, top_p, max_new_tokens, batch_prompts, generator,
-             enable_thinking=False, success_threshold=1.0, progress=False):
+             enable_thinking=False, success_threshold=1.0, progress=False, static=False):
     """Sample n responses per task; return mean@n, pass@n, mean length, and per-task scores/texts."""
     from tqdm import tqdm
     was_training = model.training
@@ -1647,7 +1725,7 @@ def evaluate(model, tokenizer, tasks, n, temperature, top_p, max_new_tokens, bat
         chunk = tasks[start:start + batch_prompts]
         prompts = [prompt_ids(tokenizer, t["messages"], enable_thinking) for t in chunk]
         rollout = generate(model, prompts, n, max_new_tokens, temperature, top_p,
-                           tokenizer.eos_token_id, tokenizer.pad_token_id, generator)
+                           tokenizer.eos_token_id, tokenizer.pad_token_id, generator, static)
         decode_responses(tokenizer, rollout)
         for i, task in enumerate(chunk):
             rows = range(i * n, (i + 1) * n)
@@ -1849,7 +1927,7 @@ def build_batch(tasks, model, tokenizer, cfg, generator, dev, autocast=contextli
     t0 = time.time()
     with autocast():
         rollout = generate(model, prompts, G, cfg["max_new_tokens"], cfg["temperature"], cfg["top_p"],
-                           eos, tokenizer.pad_token_id, generator)
+                           eos, tokenizer.pad_token_id, generator, cfg["static_rollout"])
     decode_responses(tokenizer, rollout)
     t_gen = time.time() - t0
     t0 = time.time()
@@ -1892,8 +1970,15 @@ def build_batch(tasks, model, tokenizer, cfg, generator, dev, autocast=contextli
     return batch, metrics
 
 
-def set_lr(optimizer, it, learning_rate, warmup_iters):
-    lr = learning_rate * min(1.0, (it + 1) / warmup_iters) if warmup_iters > 0 else learning_rate
+def set_lr(optimizer, it, learning_rate, warmup_iters, total_iters, decay_lr, min_lr):
+    """Linear warmup, then constant, or a cosine from learning_rate to min_lr at the last iteration."""
+    if it < warmup_iters:
+        lr = learning_rate * (it + 1) / warmup_iters
+    elif decay_lr:
+        progress = (it + 1 - warmup_iters) / max(1, total_iters - warmup_iters)
+        lr = min_lr + 0.5 * (learning_rate - min_lr) * (1 + math.cos(math.pi * min(1.0, progress)))
+    else:
+        lr = learning_rate
     for group in optimizer.param_groups:
         group["lr"] = lr
     return lr
@@ -1996,6 +2081,7 @@ def main(cfg):
     random.seed(cfg["seed"])
     torch.manual_seed(cfg["seed"])
     stage_list = parse_stages(cfg["stages"], cfg["dataset"], cfg["max_iters"])
+    total_iters = sum(iters for _, iters in stage_list)
     out_dir, ckpt_dir = cfg["out_dir"], os.path.join(cfg["out_dir"], "ckpt")
     resume = cfg["init_from"] == "resume"
     if resume and not os.path.exists(os.path.join(ckpt_dir, "state.json")):
@@ -2061,7 +2147,7 @@ def main(cfg):
             with autocast():
                 res = evaluate(model, tokenizer, tasks[ddp.rank::ddp.world], n, cfg["eval_temperature"], cfg["eval_top_p"],
                                cfg["max_new_tokens"], max(1, cfg["batch_prompts"] * cfg["group_size"] // n), eval_gen,
-                               cfg["enable_thinking"], cfg["success_threshold"])
+                               cfg["enable_thinking"], cfg["success_threshold"], static=cfg["static_rollout"])
             parts = ddp.gather((res["scores"], res["mean_len"] * n * len(res["scores"])))
             scores = [row_scores for p in parts for row_scores in p[0]]
             acc = accuracy_summary(scores, cfg["success_threshold"])
@@ -2101,7 +2187,8 @@ def main(cfg):
             stage_desc = f"stage {stage + 1}/{len(stage_list)} {name}" if len(stage_list) > 1 else name
             while state["stage_iter"] < iters:
                 t0 = time.time()
-                lr = set_lr(optimizer, state["iter"], cfg["learning_rate"], cfg["warmup_iters"])
+                lr = set_lr(optimizer, state["iter"], cfg["learning_rate"], cfg["warmup_iters"], total_iters,
+                            cfg["decay_lr"], cfg["min_lr"])
                 step_tasks = [data_rng.choice(tasks) for _ in range(cfg["batch_prompts"])]  # the global batch
                 my_tasks = step_tasks[ddp.rank * share:(ddp.rank + 1) * share]  # whole groups per rank
                 batch, metrics = build_batch(my_tasks, model, tokenizer, cfg, generator, dev, autocast, ddp.global_sum)

@@ -89,7 +89,8 @@ class Runner:
         cfg, model = self.cfg, self.model
         generator = torch.Generator().manual_seed(seed)
         t0 = time.perf_counter()
-        train.set_lr(self.optimizer, self.it, cfg["learning_rate"], cfg["warmup_iters"])
+        train.set_lr(self.optimizer, self.it, cfg["learning_rate"], cfg["warmup_iters"], cfg["max_iters"],
+                     cfg["decay_lr"], cfg["min_lr"])
         batch, metrics = train.build_batch(tasks, model, self.tokenizer, cfg, generator, self.dev)
         t1 = time.perf_counter()
         m = train.loss_backward(model, batch, cfg, self.dev, self.teacher, self.initial)
@@ -132,12 +133,15 @@ def bench_generate(model, tokenizer, prompts, args, dev):
     ids, mask = ids.to(dev), mask.to(dev)
     width = ids.shape[1]
 
-    def ours(seed):
+    def ours(seed, static=False):
         g = torch.Generator().manual_seed(seed)
         t0 = time.perf_counter()
-        r = train.generate(model, prompts, args.group_size, args.max_new_tokens, 1.0, 1.0, eos, pad, g)
+        r = train.generate(model, prompts, args.group_size, args.max_new_tokens, 1.0, 1.0, eos, pad, g, static)
         dt = time.perf_counter() - t0
         return dt, sum(len(x) for x in r.response_ids)
+
+    def static(seed):
+        return ours(seed, static=True)
 
     def hf(seed):
         torch.manual_seed(seed)
@@ -149,11 +153,12 @@ def bench_generate(model, tokenizer, prompts, args, dev):
         dt = time.perf_counter() - t0
         return dt, int(train.response_mask(out[:, width:].cpu(), eos).sum())
 
-    res = {"rollout": [], "hf": []}
-    ours(args.seed)  # warm-up
-    hf(args.seed)
+    methods = [("rollout", ours), ("hf", hf)] + ([("static", static)] if args.static else [])
+    for _, fn in methods:
+        fn(args.seed)  # warm-up (for static: the torch.compile of the decode step)
+    res = {name: [] for name, _ in methods}
     for r in range(args.gen_runs):
-        order = [("rollout", ours), ("hf", hf)] if r % 2 == 0 else [("hf", hf), ("rollout", ours)]
+        order = methods if r % 2 == 0 else methods[::-1]
         for name, fn in order:
             res[name].append(fn(args.seed + 100 + r))
     out = {}
@@ -177,6 +182,8 @@ def main():
     ap.add_argument("--iters", type=int, default=5, help="timed iterations per algorithm (after 1 warm-up each)")
     ap.add_argument("--gen_runs", type=int, default=3, help="timed generation runs per method (after 1 warm-up each)")
     ap.add_argument("--seed", type=int, default=1337)
+    ap.add_argument("--static", action="store_true",
+                    help="also time train.generate(static=True): static KV cache + torch.compile'd step (compiles first)")
     ap.add_argument("--success_threshold", type=float, default=None,
                     help="SDPO peer threshold (default: train.py's 1.0; 0.0 for a scratch model, whose responses never succeed)")
     ap.add_argument("--micro_batch_size", type=int, default=train.micro_batch_size, help="sequences per forward/backward")
@@ -269,10 +276,13 @@ def main():
           f"{plens[0]}..{plens[-1]}, median {plens[len(plens) // 2]}) x {args.group_size} samples, "
           f"max_new_tokens {args.max_new_tokens}, median of {args.gen_runs} interleaved runs")
     print(f"{'method':<16}{'seconds':>10}{'tokens':>10}{'tok/s':>10}   runs")
-    for name, label in (("rollout", "train.generate"), ("hf", "HF generate")):
-        x = gb[name]
-        print(f"{label:<16}{x['s']:>10.4f}{x['tokens']:>10.0f}{x['tok_s']:>10.0f}   {x['runs_s']}")
+    for name, label in (("rollout", "train.generate"), ("hf", "HF generate"), ("static", "static+compile")):
+        if name in gb:
+            x = gb[name]
+            print(f"{label:<16}{x['s']:>10.4f}{x['tokens']:>10.0f}{x['tok_s']:>10.0f}   {x['runs_s']}")
     print(f"rollout speedup (hf_generate_s / rollout_s): {speedup:.2f}  [target >= 1.0]")
+    if "static" in gb:
+        print(f"static speedup (rollout_s / static_s): {gb['rollout']['s'] / gb['static']['s']:.2f}")
 
     result = {
         "grpo_iter_s": g["iter_s"], "sdpo_iter_s": s["iter_s"], "sdpo_over_grpo": ratio,
@@ -287,6 +297,7 @@ def main():
         "rollout_s": gb["rollout"]["s"], "hf_generate_s": gb["hf"]["s"], "rollout_speedup": speedup,
         "rollout_tok_s": gb["rollout"]["tok_s"], "hf_generate_tok_s": gb["hf"]["tok_s"],
         "rollout_tokens": gb["rollout"]["tokens"], "hf_generate_tokens": gb["hf"]["tokens"],
+        "static_rollout_s": gb["static"]["s"] if "static" in gb else None,
         "settings": {"init_from": args.init_from, "dataset": args.dataset, "batch_prompts": args.batch_prompts,
                      "group_size": args.group_size, "max_new_tokens": args.max_new_tokens, "iters": args.iters,
                      "gen_runs": args.gen_runs, "seed": args.seed, "no_ctx": args.no_ctx, "success_threshold": args.success_threshold,

@@ -6,6 +6,7 @@ import sys
 from conftest import ROOT, defaults, run_train
 
 import pytest
+import torch
 
 import train
 
@@ -68,11 +69,22 @@ def test_config_file_with_unknown_key_or_wrong_type(tmp_path):
 
 def test_out_of_range_values_are_refused():
     for key, value in (("density", 0.0), ("density", 1.5), ("alpha", -0.1), ("algo", "ppo"), ("teacher", "moving"),
-                       ("group_size", 1), ("stages", "toy/add"), ("temperature", 0.0), ("topk", 0)):
+                       ("group_size", 1), ("stages", "toy/add"), ("temperature", 0.0), ("topk", 0),
+                       ("min_lr", 1.0)):
         cfg = dict(defaults(), **{key: value})
         with pytest.raises(train.UserError, match=key):
             train.check_config(cfg)
     train.check_config(defaults())  # the defaults themselves are valid
+
+
+def test_lr_schedule_warmup_then_constant_or_cosine():
+    opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.0)
+    constant = [train.set_lr(opt, it, 1.0, 4, 20, False, 0.1) for it in range(20)]
+    assert constant[:4] == [0.25, 0.5, 0.75, 1.0] and set(constant[4:]) == {1.0}
+    cosine = [train.set_lr(opt, it, 1.0, 4, 20, True, 0.1) for it in range(20)]
+    assert cosine[:4] == constant[:4] and cosine[3] == 1.0
+    assert all(a > b for a, b in zip(cosine[3:], cosine[4:]))  # strictly decreasing after warmup
+    assert cosine[-1] == pytest.approx(0.1) and opt.param_groups[0]["lr"] == cosine[-1]
 
 
 def test_missing_data_names_the_prepare_command(tmp_path):

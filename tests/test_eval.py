@@ -188,16 +188,16 @@ def test_repetition_loop():
 
 
 def test_final_answer_and_artifact_rates():
-    assert ev.final_answer("\\boxed{12}", "math") == "12"
-    assert ev.final_answer("\\boxed{}", "math") is None
-    assert ev.final_answer("12", "math") is None
-    assert ev.final_answer("<answer>abc</answer>", "exact") == "abc"
-    assert ev.final_answer("<answer> </answer>", "exact") is None
-    assert ev.final_answer("<answer>abc", "exact") is None
-    assert ev.final_answer("so the answer is (B)", "mcq") == "B"
-    assert ev.final_answer("\\boxed{C}", "mcq") == "C"
-    assert ev.final_answer("Action: search\nAction Input: {\"q\": 1}", "tool") == "search"
-    assert ev.final_answer("", "tool") is None
+    assert train.final_answer("math", "\\boxed{12}") == "12"
+    assert train.final_answer("math", "\\boxed{}") is None
+    assert train.final_answer("math", "12") is None
+    assert train.final_answer("exact", "<answer>abc</answer>") == "abc"
+    assert train.final_answer("exact", "<answer> </answer>") is None
+    assert train.final_answer("exact", "<answer>abc") is None
+    assert train.final_answer("mcq", "so the answer is (B)") == "B"
+    assert train.final_answer("mcq", "\\boxed{C}") == "C"
+    assert train.final_answer("tool", "Action: search\nAction Input: {\"q\": 1}") == "search"
+    assert train.final_answer("tool", "") is None
     texts = ["\\boxed{12}", "<answer>12</answer>", "1" * 20, "", "<answer>abc</answer>", "\\boxed{abc}"]
     kinds = ["math"] * 4 + ["exact"] * 2
     a = ev.format_artifacts(texts, kinds, [4, 6, 20, 0, 5, 5])

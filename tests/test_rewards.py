@@ -188,6 +188,8 @@ def test_adversarial_inputs(name):
                 score, feedback = reward(kind, response, answer)
                 assert score in (0.0, 1.0) and (feedback is None or isinstance(feedback, str)), (kind, score)
                 assert (score == 1.0) == (feedback is None)
+            got = R.final_answer(kind, text)
+            assert got is None or isinstance(got, str)
         for f in (R.extract_boxed, R.normalize_math_answer):
             f(text)
         assert isinstance(R.math_equal(text, text[:1000]), bool) and isinstance(R.math_equal(text[:300], "5"), bool)
