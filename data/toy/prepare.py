@@ -14,7 +14,7 @@ format is learned from its SFT data. Domains (distance from `add`, the usual fir
 Two answer formats make format leakage measurable: a `\\boxed{}` in a string task (or an
 `<answer>` tag in an arithmetic one) is another domain's format showing up.
 
-Training lines carry `solution` (the reference response, used by SFT). Copies of ~30% of them in
+Training lines carry `solution` (the reference response, used by SFT). Copies of 15% of them in
 the SDPO teacher-context format (the prompt followed by a correct solution, or by feedback on a
 wrong attempt) go to data/toy/context/train.jsonl, which the SFT base mixes in so that, like a
 real LLM, it learns to use a demonstration in context; RL stages never sample them.
@@ -30,7 +30,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))  # the repo root, for
 import train  # noqa: E402  (templates and the tokenizer builder live there)
 
 DOMAINS = ["add", "sub", "mul", "sort", "rev"]
-N_TRAIN, N_TEST = 5000, 100
+# Training lines per domain. SFT (config/toy_base.py) samples uniformly from the joined lines, so
+# these counts are the base's data mix: the arithmetic skills emerge only after ~10k examples
+# (mul, with its 3-digit products, after more), the string skills after ~5k.
+N_TRAIN = {"add": 6000, "sub": 6000, "mul": 16000, "sort": 3500, "rev": 3000}
+N_TEST = 100
+CONTEXT_FRACTION = 0.15  # training lines also copied in the teacher-context format (toy/context)
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
 
 
@@ -115,7 +120,8 @@ def bytes_to_unicode():
 def write_domain(domain, seed, out_root):
     """N_TEST distinct test questions, then N_TRAIN training draws (repeats allowed: some domains
     have only a few thousand distinct questions) that never hit a test question. Returns the
-    teacher-context copies of ~30% of the training tasks (SFT-only data, written separately)."""
+    teacher-context copies of CONTEXT_FRACTION of the training tasks (SFT-only data, written
+    separately)."""
     context_lines = []
     rng = random.Random(f"{seed}-{domain}")
     test, seen = [], set()
@@ -125,7 +131,7 @@ def write_domain(domain, seed, out_root):
             seen.add(task[0])
             test.append(task)
     train_rows = []
-    while len(train_rows) < N_TRAIN:
+    while len(train_rows) < N_TRAIN[domain]:
         task = make_task(domain, rng)
         if task[0] not in seen:
             train_rows.append(task)
@@ -139,7 +145,7 @@ def write_domain(domain, seed, out_root):
                         "messages": [{"role": "user", "content": question}],
                         "answer": answer, "solution": solution}
                 f.write(json.dumps(line) + "\n")
-                if split == "train" and rng.random() < 0.3:  # teacher-context copy of the same task
+                if split == "train" and rng.random() < CONTEXT_FRACTION:  # teacher-context copy of the same task
                     content = teacher_context_example(question, solution, kind, answer, rng)
                     context_lines.append(dict(line, id=line["id"] + "-ctx", messages=[{"role": "user", "content": content}]))
         os.replace(path + ".tmp", path)
@@ -157,6 +163,7 @@ if __name__ == "__main__":
     os.replace(path + ".tmp", path)
     tokenizer = build_char_tokenizer()
     tokenizer.save_pretrained(os.path.join(HERE, "tokenizer"))
-    print(f"wrote {', '.join(DOMAINS)} ({N_TRAIN} train, {N_TEST} test each), {len(context)} teacher-context "
+    counts = ", ".join(f"{d} {N_TRAIN[d]}" for d in DOMAINS)
+    print(f"wrote train ({counts}) and test ({N_TEST} each) sets, {len(context)} teacher-context "
           f"training lines in context/train.jsonl "
           f"and a {len(tokenizer)}-token character tokenizer to {HERE}")
