@@ -1321,11 +1321,14 @@ def _logits_into(buf, parts, transposed=False):
 def _gathered_logits(parts, idx, max_elems):
     """sum_i <h_i[r], w_i[idx[r, j]]> for parts [(h_i [n, H], w_i [V, H])] and
     idx [n, k]: logits at a few vocab entries per row without the [n, V]
-    product; row blocks keep the gathered [rows, k, H] weights under max_elems."""
+    product; row blocks keep the gathered [rows, k, H] weights under max_elems
+    (or 32 rows)."""
     n, k = idx.shape
-    H = parts[0][0].shape[1]
+    V, H = parts[0][1].shape
+    if 4 * k >= V:  # k is a large share of the vocab: one [n, V] product is cheaper than gathering w rows
+        return sum(h @ w.T for h, w in parts).gather(1, idx)
     out = torch.empty(n, k, dtype=parts[0][0].dtype, device=idx.device)
-    step = max(1, max_elems // (k * H))
+    step = max(32, max_elems // (k * H))  # at least 32 rows per bmm: never a loop over single rows
     for r in range(0, n, step):
         acc = 0
         for h, w in parts:

@@ -229,6 +229,18 @@ def test_fused_matches_naive(dtype, rtol, alpha, distill, tail):
         torch.testing.assert_close(sf["div"][m], sf["logp"][m] - sf["teacher_logp"][m])
 
 
+@pytest.mark.parametrize("topk", [7, 13, 30, 50])
+def test_fused_topk_both_ways_of_reading_teacher_logits_at_the_student_topk(topk):
+    """k < V/4 gathers LM-head rows per token; k >= V/4 takes one full product (V=50 here)."""
+    C = make_case(V=50)
+    loss_fn = grpo_distill_loss_fn(C, "topk")
+    kw = dict(alpha=0.5, distill="topk", topk=topk, tail=True, temperature=0.7)
+    ln, ghn, gwn, _ = run(naive_token_loss, C, loss_fn, **kw)
+    lf, ghf, gwf, _ = run(fused_token_loss, C, loss_fn, chunk_size=8, **kw)
+    for got, want, what in [(lf, ln, "loss"), (ghf, ghn, "grad h"), (gwf, gwn, "grad W")]:
+        assert_rel(got, want, 1e-9, what)
+
+
 @pytest.mark.parametrize("chunk_size", [1, 5, 37, 1000])
 def test_fused_chunk_sizes_default_div_rows_and_grad_scale(chunk_size):
     C = make_case()
