@@ -289,7 +289,6 @@ def reward(kind, response, answer):
         return 0.0, f"could not check the response ({type(e).__name__})"
 
 
-
 def final_answer(kind, response):
     """The final answer reward() reads for `kind`, or None when there is none (or it is blank).
 
@@ -306,7 +305,7 @@ def final_answer(kind, response):
             if got is None:
                 got = _last_boxed(text)[0]
             if got is None:
-                got = ([m.group(1) for m in _ANSWER_IS_RE.finditer(text[-3000:])] or [None])[-1]
+                got = _answer_is_letter(text)
         elif kind == "tool":
             got = " ".join(name for name, _ in _parse_tool_calls(text)[0])
         else:
@@ -314,6 +313,7 @@ def final_answer(kind, response):
     except Exception:  # like reward(): hostile text never raises
         return None
     return got if got is not None and got.strip() else None
+
 
 def _reward_answer_str(answer):
     if isinstance(answer, float) and answer.is_integer():
@@ -856,6 +856,14 @@ _LETTER_RE = re.compile(r"[\s(\[{*]*([A-Za-z])[\s)\]}*.:]*")
 _ANSWER_IS_RE = re.compile(r"(?i:answer)[\s*:]*(?:(?i:is)[\s*:]*)?\(?([A-Z])\)?(?![A-Za-z0-9])")
 
 
+def _answer_is_letter(text):
+    """The letter of the last "the answer is (X)" near the end of text, or None."""
+    m = None
+    for m in _ANSWER_IS_RE.finditer(text[-3000:]):
+        pass
+    return m.group(1) if m else None
+
+
 def _mcq_letter(s):
     m = _LETTER_RE.fullmatch(_unwrap_cmds(s.strip(), _TEXT_CMD_RE)) if s is not None and len(s) < 100 else None
     return m.group(1).upper() if m else None
@@ -876,10 +884,7 @@ def _mcq_reward(response, answer):
             return 0.0, TRUNCATED_FEEDBACK
         got = _mcq_letter(boxed) if boxed is not None else None
         if got is None:
-            m = None
-            for m in _ANSWER_IS_RE.finditer(response[-3000:]):
-                pass
-            got = m.group(1) if m else None
+            got = _answer_is_letter(response)
         if got is None:
             return 0.0, "No final answer found: put the letter of your choice inside <answer></answer>."
     if got == ref:
