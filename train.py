@@ -1799,33 +1799,36 @@ def response_hidden(model, prompts, responses, dev):
 
 @torch.no_grad()
 def shared_prompt_hidden(model, prompts, responses, dev):
-    """response_hidden without grad, running each distinct prompt once: a group's responses share
-    one teacher prompt (its first successful peer), so its KV cache is computed once and reused.
+    """response_hidden without grad, computing each distinct input once: a group's responses share
+    one teacher prompt (its first successful peer), so each distinct prompt is prefilled once and
+    its KV cache reused; and identical (prompt, response) pairs, common when answers are short
+    (several peers write the same correct answer), are read once.
 
-    Prompts are left-padded into one prefill; the responses (right-padded) continue from the
-    selected cache rows at positions len(prompt), len(prompt)+1, ..."""
+    Prompts are left-padded into one prefill; the distinct responses (right-padded) continue from
+    their prompt's cache row at positions len(prompt), len(prompt)+1, ..."""
     from transformers import DynamicCache
-    unique = list(dict.fromkeys(tuple(p) for p in prompts))
-    which = torch.tensor([unique.index(tuple(p)) for p in prompts], device=dev)
-    ids, mask = (t.to(dev) for t in left_pad(unique, 0))
+    unique = {p: k for k, p in enumerate(dict.fromkeys(map(tuple, prompts)))}
+    pairs = {pr: k for k, pr in enumerate(dict.fromkeys(zip(map(tuple, prompts), map(tuple, responses))))}
+    ids, mask = (t.to(dev) for t in left_pad(list(unique), 0))
     cache = DynamicCache()
-    first = model.model(ids, mask, (mask.cumsum(-1) - 1).clamp(min=0), cache, use_cache=True).last_hidden_state[:, -1]
+    last = model.model(ids, mask, (mask.cumsum(-1) - 1).clamp(min=0), cache, use_cache=True).last_hidden_state[:, -1:]
+    which = torch.tensor([unique[p] for p, _ in pairs], device=dev)
+    hidden = last[which]  # [pairs, 1, H]: predicts each pair's first response token
     rest_width = max(len(r) for r in responses) - 1  # the last response token predicts nothing
-    rest = None
     if rest_width > 0:
         cache.batch_select_indices(which)
-        rest_ids = torch.zeros(len(responses), rest_width, dtype=torch.long)
+        rest_ids = torch.zeros(len(pairs), rest_width, dtype=torch.long)
         rest_mask = torch.zeros_like(rest_ids)
-        for i, r in enumerate(responses):
-            rest_ids[i, :len(r) - 1] = torch.tensor(r[:-1])
-            rest_mask[i, :len(r) - 1] = 1
-        lengths = mask.sum(-1)[which]
-        position = lengths[:, None] + torch.arange(rest_width, device=dev)[None]
+        for k, (_, r) in enumerate(pairs):
+            rest_ids[k, :len(r) - 1] = torch.tensor(r[:-1])
+            rest_mask[k, :len(r) - 1] = 1
+        position = mask.sum(-1)[which, None] + torch.arange(rest_width, device=dev)[None]
         full_mask = torch.cat([mask[which], rest_mask.to(dev)], dim=1)
         rest = model.model(rest_ids.to(dev), full_mask, position, cache, use_cache=True).last_hidden_state
-    rows = [torch.cat([first[which[i]][None]] + ([rest[i, :len(r) - 1]] if len(r) > 1 else []), 0)
-            for i, r in enumerate(responses)]
-    return torch.cat(rows, 0)
+        hidden = torch.cat([hidden, rest], 1)  # [pairs, 1 + rest_width, H]: position t predicts token t
+    width = hidden.shape[1]
+    index = [pairs[tuple(p), tuple(r)] * width + t for p, r in zip(prompts, responses) for t in range(len(r))]
+    return hidden.flatten(0, 1)[torch.tensor(index, device=dev)]
 
 
 def teacher_parts(mode, rate, model, teacher_model, initial_model, teacher_prompts, responses, dev):
@@ -1953,9 +1956,12 @@ def build_batch(tasks, model, tokenizer, cfg, generator, dev, autocast=contextli
     metrics = {}
     if cfg["algo"] == "sdpo":
         contexts = teacher_contexts(tasks, rollout, rewards.tolist(), feedbacks, G, cfg)
-        teacher_prompts, truncated = [], 0
+        teacher_prompts, truncated, templated = [], 0, {None: None}
         for ctx in contexts:
-            ids = None if ctx is None else prompt_ids(tokenizer, ctx, cfg["enable_thinking"])
+            key = ctx and json.dumps(ctx)  # a group's rows mostly share one context: template it once
+            if key not in templated:
+                templated[key] = prompt_ids(tokenizer, ctx, cfg["enable_thinking"])
+            ids = templated[key]
             if ids is not None and len(ids) > cfg["max_reprompt_len"]:
                 ids, truncated = ids[-cfg["max_reprompt_len"]:], truncated + 1
             teacher_prompts.append(ids)

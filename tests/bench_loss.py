@@ -4,6 +4,7 @@ peak memory is clean.
 
     python tests/bench_loss.py                      # CPU, fp32
     python tests/bench_loss.py --cuda --dtype bf16  # GPU, main size N=8192 H=4096 V=128256
+    python tests/bench_loss.py --size 256 64 4096   # one size of your choice
 
 Peak memory = peak above the post-setup baseline (inputs allocated, a tiny
 warm-up done): on CPU the process's peak RSS (VmHWM, reset through
@@ -195,7 +196,7 @@ def spawn(args, kind, size):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--worker", choices=["naive", "fused", "check"])
-    ap.add_argument("--size", type=int, nargs=3, metavar=("N", "H", "V"))
+    ap.add_argument("--size", type=int, nargs=3, metavar=("N", "H", "V"), help="measure this size only")
     ap.add_argument("--cuda", action="store_true")
     ap.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
     ap.add_argument("--chunk-size", type=int, default=None)
@@ -207,7 +208,7 @@ def main():
     if args.worker:
         return worker(args)
 
-    sizes = CUDA_SIZES if args.cuda else CPU_SIZES
+    sizes = [tuple(args.size)] if args.size else CUDA_SIZES if args.cuda else CPU_SIZES
     if args.main_only:
         sizes = sizes[:1]
     dev = torch.cuda.get_device_name() if args.cuda else f"cpu x{torch.get_num_threads()} threads"

@@ -115,12 +115,14 @@ class Runner:
             "tokens": metrics["tokens"], "acc": metrics["acc"], "loss_seqs": loss_seqs, "teacher_seqs": teacher_seqs,
             "seqs": n_seq, "reward": metrics["reward"],
             "prompt_max_len": max(len(p) for p in batch["prompts"]),
-            # tokens through the student forward+backward and through the teacher forward (unpadded), and how
-            # many distinct teacher prompts there were (the rest repeat one: a shared prefix)
+            # tokens through the student forward+backward and through the teacher forward (unpadded, before
+            # its sharing), how many distinct teacher prompts (each prefilled once) and distinct
+            # (teacher prompt, response) pairs (each read once) there were in the step
             "student_seq_tokens": sum(len(batch["prompts"][i]) + len(batch["responses"][i]) for i in used),
             "teacher_seq_tokens": sum(len(batch["teacher_prompts"][i]) + len(batch["responses"][i]) for i in teachers),
             "teacher_prompt_tokens": sum(len(batch["teacher_prompts"][i]) for i in teachers),
             "teacher_unique_prompts": len({tuple(batch["teacher_prompts"][i]) for i in teachers}),
+            "teacher_unique_pairs": len({(tuple(batch["teacher_prompts"][i]), tuple(batch["responses"][i])) for i in teachers}),
         }
         rec["tok_s"] = rec["tokens"] / rec["iter_s"]
         return rec
@@ -179,7 +181,8 @@ def main():
     ap.add_argument("--batch_prompts", type=int, default=16)
     ap.add_argument("--group_size", type=int, default=8)
     ap.add_argument("--max_new_tokens", type=int, default=16)
-    ap.add_argument("--iters", type=int, default=5, help="timed iterations per algorithm (after 1 warm-up each)")
+    ap.add_argument("--iters", type=int, default=15,
+                    help="timed iterations per algorithm (after 1 warm-up each; fewer than ~10 give unstable medians here)")
     ap.add_argument("--gen_runs", type=int, default=3, help="timed generation runs per method (after 1 warm-up each)")
     ap.add_argument("--seed", type=int, default=1337)
     ap.add_argument("--static", action="store_true",
@@ -245,7 +248,7 @@ def main():
         summ[a] = {key: median([x[key] for x in recs]) for key in
                    PHASES + ["loss_other_s", "iter_s", "tokens", "tok_s", "acc", "reward", "loss_seqs", "teacher_seqs", "seqs",
                     "student_seq_tokens", "teacher_seq_tokens", "teacher_prompt_tokens", "teacher_unique_prompts",
-                    "prompt_max_len"]}
+                    "teacher_unique_pairs", "prompt_max_len"]}
     g, s = summ["grpo"], summ["sdpo"]
     ratio = s["iter_s"] / g["iter_s"]
     # the same ratio pair by pair (each pair ran back to back)
@@ -260,7 +263,8 @@ def main():
     for key, label, fmt in (("prompt_max_len", "max prompt", ".0f"), ("tokens", "resp tokens", ".0f"), ("tok_s", "resp tok/s", ".0f"), ("reward", "reward", ".3f"),
                             ("loss_seqs", "seqs in loss", ".0f"), ("student_seq_tokens", "student tok", ".0f"),
                             ("teacher_seqs", "teacher seqs", ".0f"), ("teacher_seq_tokens", "teacher tok", ".0f"),
-                            ("teacher_prompt_tokens", "  of prompt", ".0f"), ("teacher_unique_prompts", "uniq t.prompts", ".0f")):
+                            ("teacher_prompt_tokens", "  of prompt", ".0f"), ("teacher_unique_prompts", "uniq t.prompts", ".0f"),
+                            ("teacher_unique_pairs", "uniq t.pairs", ".0f")):
         print(f"{label:<14}{g[key]:>10{fmt}}{s[key]:>10{fmt}}")
     print(f"sdpo/grpo iteration time: {ratio:.3f} (median of medians); pairwise ratios "
           f"{', '.join(f'{x:.2f}' for x in pair_ratios)}; median {median(pair_ratios):.3f}  [target <= 1.3]")
@@ -293,7 +297,7 @@ def main():
         "grpo_reward": g["reward"], "sdpo_reward": s["reward"],
         "grpo_student_seq_tokens": g["student_seq_tokens"], "sdpo_student_seq_tokens": s["student_seq_tokens"],
         "sdpo_teacher_seq_tokens": s["teacher_seq_tokens"], "sdpo_teacher_prompt_tokens": s["teacher_prompt_tokens"],
-        "sdpo_teacher_unique_prompts": s["teacher_unique_prompts"],
+        "sdpo_teacher_unique_prompts": s["teacher_unique_prompts"], "sdpo_teacher_unique_pairs": s["teacher_unique_pairs"],
         "rollout_s": gb["rollout"]["s"], "hf_generate_s": gb["hf"]["s"], "rollout_speedup": speedup,
         "rollout_tok_s": gb["rollout"]["tok_s"], "hf_generate_tok_s": gb["hf"]["tok_s"],
         "rollout_tokens": gb["rollout"]["tokens"], "hf_generate_tokens": gb["hf"]["tokens"],

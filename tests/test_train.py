@@ -209,12 +209,13 @@ def test_micro_batch_split_does_not_change_the_step(toy_data):
 
 
 def test_shared_prompt_hidden_equals_one_forward_per_sequence(toy_data):
-    """The teacher's prefix sharing (one prefill per distinct prompt) changes no number."""
+    """The teacher's sharing (one prefill per distinct prompt, one read per distinct prompt+response
+    pair) changes no number."""
     cfg, model, tokenizer = tiny_setup(toy_data, "sdpo")
     model.eval()
     p1, p2 = [1, 5, 6, 7, 8, 9, 10], [1, 11, 12]
-    prompts = [p1, p1, p2, p1, p2]
-    responses = [[20, 21, 22, 2], [23, 2], [24, 25, 26, 27, 28, 2], [2], [29, 30, 2]]
+    prompts = [p1, p1, p2, p1, p2, p1, p2]
+    responses = [[20, 21, 22, 2], [23, 2], [24, 25, 26, 27, 28, 2], [2], [29, 30, 2], [23, 2], [23, 2]]
     with torch.no_grad():
         plain = train.response_hidden(model, prompts, responses, torch.device("cpu"))
     shared = train.shared_prompt_hidden(model, prompts, responses, torch.device("cpu"))
