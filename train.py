@@ -19,6 +19,9 @@ One iteration of the loop, in the order the code runs:
                 + "Correctly solve the original question.", through the chat template, followed
                 by the student's *own response token ids* -- so teacher and student score the
                 same tokens at the same positions. No demonstration and no feedback: no signal.
+                The teacher forward (no grad) prefills each distinct teacher prompt once and reads
+                each distinct (teacher prompt, response) pair once: exact, and cheap when short
+                answers repeat.
                 The teacher's weights are `frozen` (initial model), `ema` (updated after every
                 optimizer step: θ_T ← (1−τ)θ_T + τθ, τ = teacher_rate), `trust_region` (logits
                 mixed (1−μ)·initial + μ·current, μ = teacher_rate) or `live` (current weights).
