@@ -116,6 +116,8 @@ max_new_tokens = 64  # response length cap
 temperature = 1.0  # rollout sampling temperature (also divides the training logits)
 top_p = 1.0  # rollout nucleus sampling
 static_rollout = False  # decode into a static KV cache through a torch.compile'd step (CUDA graphs on GPU; compiles once per shape)
+gen_batch_size = 0  # rows (prompts x samples) decoded at once in rollouts and evals (0 = all; lower it when the KV cache OOMs)
+grad_checkpointing = False  # recompute each block's activations in the backward: less memory, a slower student step
 # optimizer
 learning_rate = 1e-5  # AdamW lr after warmup
 warmup_iters = 10  # linear warmup steps
@@ -177,6 +179,8 @@ RANGES = {  # key: (low, high, low inclusive)
 }
 POSITIVE = ("max_iters", "batch_prompts", "group_size", "micro_batch_size", "max_new_tokens", "topk",
             "loss_chunk", "n_layer", "n_head", "n_embd", "block_size", "eval_n", "max_reprompt_len")
+NON_NEGATIVE = ("gen_batch_size", "warmup_iters", "eval_interval", "eval_max_prompts", "save_interval", "weight_decay",
+                "grad_clip", "clip_low", "clip_high", "kl_coef", "is_clip", "collapse_patience")
 
 
 class UserError(Exception):
@@ -195,6 +199,9 @@ def check_config(cfg):
     for key in POSITIVE:
         if cfg[key] <= 0:
             raise UserError(f"{key}={cfg[key]} must be positive")
+    for key in NON_NEGATIVE:
+        if cfg[key] < 0:
+            raise UserError(f"{key}={cfg[key]} must be >= 0")
     if not 0 <= cfg["min_lr"] <= cfg["learning_rate"]:
         raise UserError(f"min_lr={cfg['min_lr']} must be in [0, learning_rate={cfg['learning_rate']}]")
     for key in ("temperature", "eval_temperature"):
@@ -1030,13 +1037,21 @@ def left_pad(prompts, pad_id):
 
 @torch.no_grad()
 def generate(model, prompts, group_size, max_new_tokens, temperature, top_p, eos_id, pad_id, generator,
-             static=False):
+             static=False, max_rows=0):
     """Sample `group_size` responses to each prompt (list of token-id lists).
 
     Prompts are left-padded and prefilled once; the KV cache is then repeated for the group, and
     decoding stops as soon as every row has produced EOS. static=True decodes into a preallocated
     StaticCache through a torch.compile'd step: every decode step has the same shapes, so on CUDA
-    the step is captured once as a CUDA graph and replayed (no per-token Python/launch overhead)."""
+    the step is captured once as a CUDA graph and replayed (no per-token Python/launch overhead).
+    max_rows > 0 decodes at most that many rows (prompts × group_size) at once, whole groups at a
+    time: the KV cache is what runs out first at long max_new_tokens."""
+    per_call = max(1, max_rows // group_size) if max_rows > 0 else len(prompts)
+    if len(prompts) > per_call:
+        parts = [generate(model, prompts[i:i + per_call], group_size, max_new_tokens, temperature, top_p, eos_id,
+                          pad_id, generator, static) for i in range(0, len(prompts), per_call)]
+        return Rollout(texts=None, **{f: [x for part in parts for x in getattr(part, f)]
+                                      for f in ("prompt_ids", "response_ids", "old_logprobs", "truncated")})
     from transformers import DynamicCache
     dev = next(model.parameters()).device
     ids, mask = (t.to(dev) for t in left_pad(prompts, pad_id))
@@ -1656,7 +1671,7 @@ def hidden_states(model, sequences, dev):
     for i, s in enumerate(sequences):
         ids[i, :len(s)] = torch.tensor(s)
         mask[i, :len(s)] = 1
-    return model.model(input_ids=ids.to(dev), attention_mask=mask.to(dev)).last_hidden_state
+    return model.model(input_ids=ids.to(dev), attention_mask=mask.to(dev), use_cache=False).last_hidden_state
 
 
 def response_rows(hidden, prompt_lens, response_lens):
@@ -1725,7 +1740,7 @@ def accuracy_summary(scores, success_threshold=1.0):
 
 @torch.no_grad()
 def evaluate(model, tokenizer, tasks, n, temperature, top_p, max_new_tokens, batch_prompts, generator,
-             enable_thinking=False, success_threshold=1.0, progress=False, static=False):
+             enable_thinking=False, success_threshold=1.0, progress=False, static=False, max_rows=0):
     """Sample n responses per task; return mean@n, pass@n, mean length, and per-task scores/texts."""
     from tqdm import tqdm
     was_training = model.training
@@ -1736,7 +1751,7 @@ def evaluate(model, tokenizer, tasks, n, temperature, top_p, max_new_tokens, bat
         chunk = tasks[start:start + batch_prompts]
         prompts = [prompt_ids(tokenizer, t["messages"], enable_thinking) for t in chunk]
         rollout = generate(model, prompts, n, max_new_tokens, temperature, top_p,
-                           tokenizer.eos_token_id, tokenizer.pad_token_id, generator, static)
+                           tokenizer.eos_token_id, tokenizer.pad_token_id, generator, static, max_rows)
         decode_responses(tokenizer, rollout)
         for i, task in enumerate(chunk):
             rows = range(i * n, (i + 1) * n)
@@ -1941,7 +1956,7 @@ def build_batch(tasks, model, tokenizer, cfg, generator, dev, autocast=contextli
     t0 = time.time()
     with autocast():
         rollout = generate(model, prompts, G, cfg["max_new_tokens"], cfg["temperature"], cfg["top_p"],
-                           eos, tokenizer.pad_token_id, generator, cfg["static_rollout"])
+                           eos, tokenizer.pad_token_id, generator, cfg["static_rollout"], cfg["gen_batch_size"])
     decode_responses(tokenizer, rollout)
     t_gen = time.time() - t0
     t0 = time.time()
@@ -2033,6 +2048,13 @@ def make_autocast(dev, dtype_name):
     return functools.partial(torch.autocast, dev.type, dtype=dt)
 
 
+def enable_grad_checkpointing(model):
+    """Recompute each decoder block in the backward instead of keeping its activations. Only
+    forwards with grad recompute: rollouts and teacher forwards (no grad) keep their KV cache."""
+    enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable  # renamed in transformers 5.x
+    enable()
+
+
 def frozen_copy(model):
     m = copy.deepcopy(model).eval()
     m.requires_grad_(False)
@@ -2110,6 +2132,8 @@ def main(cfg):
             state["base_init"] = json.load(f)["base_init"]
     model, tokenizer = load_model(ckpt_dir if resume else cfg["init_from"], cfg, dev, torch.float32)
     model.train()
+    if cfg["grad_checkpointing"]:
+        enable_grad_checkpointing(model)
     # the initial model: KL reference, frozen / trust-region teacher, 'initial' stage reset
     needs_initial = (cfg["algo"] != "sft" and cfg["kl_coef"] > 0) or (cfg["algo"] == "sdpo" and (
         cfg["teacher"] in ("frozen", "trust_region") or cfg["teacher_stage_reset"] == "initial"))
@@ -2164,7 +2188,8 @@ def main(cfg):
             with autocast():
                 res = evaluate(model, tokenizer, tasks[ddp.rank::ddp.world], n, cfg["eval_temperature"], cfg["eval_top_p"],
                                cfg["max_new_tokens"], max(1, cfg["batch_prompts"] * cfg["group_size"] // n), eval_gen,
-                               cfg["enable_thinking"], cfg["success_threshold"], static=cfg["static_rollout"])
+                               cfg["enable_thinking"], cfg["success_threshold"], static=cfg["static_rollout"],
+                               max_rows=cfg["gen_batch_size"])
             parts = ddp.gather((res["scores"], res["mean_len"] * n * len(res["scores"])))
             scores = [row_scores for p in parts for row_scores in p[0]]
             acc = accuracy_summary(scores, cfg["success_threshold"])

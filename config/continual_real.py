@@ -4,7 +4,9 @@
 #   python train.py config/continual_real.py                     # SDPO (EMA teacher)
 #   python train.py config/continual_real.py --algo=grpo --out_dir=out/continual_real_grpo
 out_dir = "out/continual_real"
-init_from = "Qwen/Qwen3-8B"
+init_from = "Qwen/Qwen3-4B"  # Qwen3-8B's fp32 weights + grads + AdamW + teacher (164 GB) fit no single GPU
+gen_batch_size = 32  # rows decoded at once: bounds the KV cache (python tests/memory_estimate.py: ~104 GB peak)
+grad_checkpointing = True
 algo = "sdpo"
 stages = "dapo_math:100,sciknoweval/biology+sciknoweval/chemistry+sciknoweval/material+sciknoweval/physics:100,tooluse:100"
 eval_sets = "math500,aime,amc23,sciknoweval/biology,sciknoweval/chemistry,sciknoweval/material,sciknoweval/physics,tooluse,gpqa,mmlu_pro"

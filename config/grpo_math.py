@@ -2,7 +2,9 @@
 # no std normalisation, clip 0.2 / 0.28, no KL.
 #   python train.py config/grpo_math.py
 out_dir = "out/grpo_math"
-init_from = "Qwen/Qwen3-8B"
+init_from = "Qwen/Qwen3-4B"  # Qwen3-8B's fp32 weights + grads + AdamW + teacher (164 GB) fit no single GPU
+gen_batch_size = 32  # rows decoded at once: bounds the KV cache (python tests/memory_estimate.py --teacher=none: ~86 GB peak)
+grad_checkpointing = True
 algo = "grpo"
 dataset = "dapo_math"
 eval_sets = "math500,aime,amc23"

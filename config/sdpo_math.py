@@ -1,9 +1,11 @@
-# SDPO on math at the paper's settings (DESIGN.md "Real benchmarks"): Qwen3-8B, thinking off,
+# SDPO on math at the paper's settings (DESIGN.md "Real benchmarks"): Qwen3-4B, thinking off,
 # 32 prompts x 8 rollouts, lr 1e-5, EMA teacher tau 0.05, alpha 0.5, top-100 + tail, IS clip 2.
 # Needs a GPU and the data: python data/dapo_math/prepare.py && python data/math500/prepare.py ...
 #   python train.py config/sdpo_math.py --density=0.5
 out_dir = "out/sdpo_math"
-init_from = "Qwen/Qwen3-8B"
+init_from = "Qwen/Qwen3-4B"  # Qwen3-8B's fp32 weights + grads + AdamW + teacher (164 GB) fit no single GPU
+gen_batch_size = 32  # rows decoded at once: bounds the KV cache (python tests/memory_estimate.py: ~104 GB peak)
+grad_checkpointing = True
 algo = "sdpo"
 dataset = "dapo_math"
 eval_sets = "math500,aime,amc23"

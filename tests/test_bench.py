@@ -31,3 +31,12 @@ def test_bench_loss_runs_and_fused_matches_naive():
     assert out["size"] == [256, 32, 2048] and out["other_sizes"] == []
     assert out["naive_s"] > 0 and out["fused_s"] > 0 and out["naive_peak_mb"] > 0
     assert out["max_abs_grad_diff"] < 1e-5
+
+
+def test_memory_estimate_counts_the_published_sizes():
+    """Qwen3-4B / 8B parameter counts built on the meta device (no download), and the state they imply."""
+    for model, params in (("qwen3-4b", 4.02e9), ("qwen3-8b", 8.19e9)):
+        out = run_script("tests/memory_estimate.py", f"--model={model}")
+        assert abs(out["params"] - params) / params < 0.005
+        assert out["state_gb"] == round(out["params"] * (4 + 4 + 8 + 4) / 1e9, 1)  # weights, grads, AdamW, EMA teacher
+        assert out["peak_gb"] > out["state_gb"]

@@ -70,11 +70,19 @@ def test_config_file_with_unknown_key_or_wrong_type(tmp_path):
 def test_out_of_range_values_are_refused():
     for key, value in (("density", 0.0), ("density", 1.5), ("alpha", -0.1), ("algo", "ppo"), ("teacher", "moving"),
                        ("group_size", 1), ("stages", "toy/add"), ("temperature", 0.0), ("topk", 0),
-                       ("min_lr", 1.0)):
+                       ("min_lr", 1.0), ("gen_batch_size", -8), ("warmup_iters", -1), ("clip_low", -0.2)):
         cfg = dict(defaults(), **{key: value})
         with pytest.raises(train.UserError, match=key):
             train.check_config(cfg)
     train.check_config(defaults())  # the defaults themselves are valid
+
+
+@pytest.mark.parametrize("path", sorted(f"config/{f}" for f in os.listdir(os.path.join(ROOT, "config"))))
+def test_every_shipped_config_file_is_valid(path):
+    """Known keys with the defaults' types, values in range (the full-scale configs included)."""
+    from configurator import configure
+    cfg = configure(dict(vars(train)), [os.path.join(ROOT, path)], train.__file__)
+    train.check_config(cfg)
 
 
 def test_lr_schedule_warmup_then_constant_or_cosine():

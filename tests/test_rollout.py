@@ -49,6 +49,25 @@ def test_generate_logprobs_match_a_full_forward_with_left_padding():
         torch.testing.assert_close(old, ref, atol=1e-4, rtol=1e-4)
 
 
+def test_generate_in_chunks_of_max_rows_equals_one_batch(monkeypatch):
+    """max_rows (gen_batch_size) decodes whole groups a few at a time; with the nucleus cut to the
+    single most likely token sampling is deterministic, so the chunks must give the same rows."""
+    model = tiny_model()
+    prompts = [[1, 4, 5, 6, 7], [8, 9], [10], [11, 12, 13]]
+    calls = []
+    real = train.generate
+    monkeypatch.setattr(train, "generate", lambda m, p, *a, **k: calls.append(len(p)) or real(m, p, *a, **k))
+    runs = [train.generate(model, prompts, 3, 10, 1.0, 1e-6, eos_id=19, pad_id=0,
+                           generator=torch.Generator().manual_seed(0), max_rows=max_rows)
+            for max_rows in (0, 7, 1)]
+    assert calls == [4, 4, 2, 2, 4, 1, 1, 1, 1]  # 7 rows -> 2 prompts x 3 per call; 1 row -> one whole group
+    for out in runs[1:]:
+        assert out.prompt_ids == runs[0].prompt_ids and out.response_ids == runs[0].response_ids
+        assert out.truncated == runs[0].truncated
+        for a, b in zip(out.old_logprobs, runs[0].old_logprobs):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
 def test_static_cache_decoding_equals_the_dynamic_cache(monkeypatch):
     """static=True (StaticCache + compiled step, the CUDA fast path) samples the same tokens with the
     same log-probs as the dynamic-cache loop; run here through torch.compile's eager backend, which

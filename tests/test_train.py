@@ -208,6 +208,22 @@ def test_micro_batch_split_does_not_change_the_step(toy_data):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-7)
 
 
+def test_grad_checkpointing_changes_no_gradient(toy_data):
+    """grad_checkpointing recomputes the blocks in the backward: same loss and gradients; the live
+    teacher's no-grad forward (same module, training mode) still uses its KV cache."""
+    results = []
+    for ckpt in (False, True):
+        cfg, model, tokenizer = tiny_setup(toy_data, "sdpo", teacher="live", grpo_mix=0.5)
+        if ckpt:
+            train.enable_grad_checkpointing(model)
+        model.train()
+        m = train.loss_backward(model, hand_made_batch(tokenizer, with_teacher=True), cfg, torch.device("cpu"))
+        results.append((m["loss"], m["div_sum"], [p.grad for p in model.parameters()]))
+    assert results[1][0] == pytest.approx(results[0][0], rel=1e-5) and results[1][1] == pytest.approx(results[0][1], rel=1e-5)
+    for a, b in zip(results[0][2], results[1][2]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+
+
 def test_shared_prompt_hidden_equals_one_forward_per_sequence(toy_data):
     """The teacher's sharing (one prefill per distinct prompt, one read per distinct prompt+response
     pair) changes no number."""
