@@ -2158,6 +2158,13 @@ def main(cfg):
         say(f"resumed from {ckpt_dir} at iteration {state['iter']} (stage {state['stage']}, step {state['stage_iter']})")
     if ddp.master:
         os.makedirs(out_dir, exist_ok=True)
+        if not resume:  # a fresh run replaces an earlier run's outputs (its checkpoint is overwritten anyway)
+            stale = sorted(f for f in os.listdir(out_dir) if re.fullmatch(r"log\.jsonl|accuracy_matrix\.json|eval(_\w+)?\.(json|md|png)|stage\d+_.+", f))
+            for f in stale:
+                path = os.path.join(out_dir, f)
+                shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+            if stale:
+                say(f"fresh run in {out_dir}: removed the earlier run's {', '.join(stale)}")
     eval_names = [s for s in cfg["eval_sets"].split(",") if s] or [n for n, _ in stage_list for n in n.split("+")]
     eval_names = list(dict.fromkeys(eval_names))
     eval_tasks = {}

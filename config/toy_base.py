@@ -3,9 +3,10 @@
 out_dir = "out/toy_base"
 init_from = "scratch"
 algo = "sft"
-dataset = "toy/add+toy/sub+toy/mul+toy/sort+toy/rev+toy/context"
+# 1000 iterations on everything, then 150 on the teacher-context copies alone: the base learns to
+# use a demonstration in context (the SDPO teacher) on every domain, not only on arithmetic
+stages = "toy/add+toy/sub+toy/mul+toy/sort+toy/rev+toy/context:1000,toy/context:150"
 eval_sets = "toy/add,toy/sub,toy/mul,toy/sort,toy/rev"
-max_iters = 1000
 batch_prompts = 64
 micro_batch_size = 16
 learning_rate = 1e-3

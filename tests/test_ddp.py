@@ -28,8 +28,8 @@ def weights(folder):
 def test_two_ranks_equal_one_process_sft(toy_data, tmp_path):
     """SFT has no sampling, so a 2-rank step over the same global batch is the 1-process step:
     each rank's loss is divided by the global token count and gradients are summed."""
-    args = ["config/toy_base.py", *TINY, "--max_iters=3", "--batch_prompts=8", "--learning_rate=1e-2",
-            "--eval_max_prompts=2", "--device=cpu"]
+    args = ["config/toy_base.py", *TINY, "--stages=toy/add+toy/sort+toy/context:2,toy/context:1", "--batch_prompts=8",
+            "--learning_rate=1e-2", "--eval_max_prompts=2", "--device=cpu"]
     torchrun(2, *args, f"--out_dir={tmp_path / 'two'}")
     run_train(*args, f"--out_dir={tmp_path / 'one'}")
     sums = [r["rank_param_sums"] for r in read_log(tmp_path / "two") if "rank_param_sums" in r]

@@ -81,7 +81,9 @@ def test_fused_and_naive_loss_agree_inside_train(toy_data, algo):
 
 def test_tiny_end_to_end_sft_then_grpo_then_sdpo(toy_data, tmp_path):
     base = tmp_path / "base"
-    run_train("config/toy_base.py", *TINY, f"--out_dir={base}", "--max_iters=3", "--device=cpu")
+    # the toy base's two stages (everything, then the teacher-context copies), 2 + 1 iterations
+    run_train("config/toy_base.py", *TINY, f"--out_dir={base}", "--stages=toy/add+toy/sort+toy/context:2,toy/context:1",
+              "--device=cpu")
     log = read_log(base)
     assert [r["iter"] for r in log if "loss" in r] == [1, 2, 3]
     assert os.path.exists(base / "ckpt" / "model.safetensors") and os.path.exists(base / "accuracy_matrix.json")
@@ -95,6 +97,21 @@ def test_tiny_end_to_end_sft_then_grpo_then_sdpo(toy_data, tmp_path):
         assert "eval @ iter 0" in proc.stdout and "eval @ iter 2" in proc.stdout
     sdpo = [r for r in read_log(tmp_path / "sdpo_toy") if "loss" in r]
     assert all(r["peer_frac"] == 1.0 and r["distill_frac"] == 1.0 and r["div"] >= 0 for r in sdpo)
+
+
+def test_a_fresh_run_replaces_an_earlier_runs_outputs(toy_data, tmp_path):
+    """Rerunning into the same out_dir must not append to the old log or leave its stage snapshots
+    and eval reports behind (eval.py would read them as this run's); other files stay."""
+    out = tmp_path / "run"
+    (out / "stage7_toy_mul").mkdir(parents=True)
+    (out / "log.jsonl").write_text(json.dumps({"iter": 999, "loss": 1.0}) + "\n")
+    (out / "eval.json").write_text("{}")
+    (out / "notes.txt").write_text("mine")
+    proc = run_train("config/grpo_toy.py", *TINY, "--init_from=scratch", f"--out_dir={out}", "--max_iters=2", "--device=cpu")
+    assert "removed the earlier run's" in proc.stdout
+    assert [r["iter"] for r in read_log(out) if "loss" in r] == [1, 2]
+    assert not (out / "stage7_toy_mul").exists() and not (out / "eval.json").exists()
+    assert (out / "notes.txt").read_text() == "mine" and (out / "ckpt" / "model.safetensors").exists()
 
 
 def test_resume_continues_exactly(toy_data, tmp_path):

@@ -35,7 +35,9 @@ DOMAINS = ["add", "sub", "mul", "sort", "rev"]
 # (mul, with its 3-digit products, after more), the string skills after ~5k.
 N_TRAIN = {"add": 6000, "sub": 6000, "mul": 16000, "sort": 3500, "rev": 3000}
 N_TEST = 100
-CONTEXT_FRACTION = 0.15  # training lines also copied in the teacher-context format (toy/context)
+# Training lines also copied in the teacher-context format (toy/context). The string domains get
+# more: using a demonstration of a 3-5-letter answer in context is the hardest skill for the base.
+CONTEXT_FRACTION = {"add": 0.15, "sub": 0.15, "mul": 0.15, "sort": 0.6, "rev": 0.6}
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
 
 
@@ -120,7 +122,7 @@ def bytes_to_unicode():
 def write_domain(domain, seed, out_root):
     """N_TEST distinct test questions, then N_TRAIN training draws (repeats allowed: some domains
     have only a few thousand distinct questions) that never hit a test question. Returns the
-    teacher-context copies of CONTEXT_FRACTION of the training tasks (SFT-only data, written
+    teacher-context copies of CONTEXT_FRACTION[domain] of the training tasks (SFT-only data, written
     separately)."""
     context_lines = []
     rng = random.Random(f"{seed}-{domain}")
@@ -145,7 +147,7 @@ def write_domain(domain, seed, out_root):
                         "messages": [{"role": "user", "content": question}],
                         "answer": answer, "solution": solution}
                 f.write(json.dumps(line) + "\n")
-                if split == "train" and rng.random() < CONTEXT_FRACTION:  # teacher-context copy of the same task
+                if split == "train" and rng.random() < CONTEXT_FRACTION[domain]:  # teacher-context copy of the same task
                     content = teacher_context_example(question, solution, kind, answer, rng)
                     context_lines.append(dict(line, id=line["id"] + "-ctx", messages=[{"role": "user", "content": content}]))
         os.replace(path + ".tmp", path)
