@@ -99,6 +99,18 @@ def test_tiny_end_to_end_sft_then_grpo_then_sdpo(toy_data, tmp_path):
     assert all(r["peer_frac"] == 1.0 and r["distill_frac"] == 1.0 and r["div"] >= 0 for r in sdpo)
 
 
+def test_memory_knobs_run_end_to_end(toy_data, tmp_path):
+    """gen_batch_size (one group per generate call here) and grad_checkpointing through main:
+    rollouts, the live teacher, the student backward and the evals all run."""
+    out = tmp_path / "knobs"
+    run_train("config/sdpo_toy.py", *TINY, "--init_from=scratch", "--success_threshold=0.0", "--teacher=live",
+              "--gen_batch_size=4", "--grad_checkpointing=True", f"--out_dir={out}", "--max_iters=2", "--device=cpu")
+    log = read_log(out)
+    steps = [r for r in log if "loss" in r]
+    assert [r["iter"] for r in steps] == [1, 2] and all(math_isfinite(r["loss"]) and r["grad_norm"] > 0 for r in steps)
+    assert steps[0]["tokens"] > 0 and steps[0]["peer_frac"] == 1.0  # every response had a peer: the teacher ran
+
+
 def test_a_fresh_run_replaces_an_earlier_runs_outputs(toy_data, tmp_path):
     """Rerunning into the same out_dir must not append to the old log or leave its stage snapshots
     and eval reports behind (eval.py would read them as this run's); other files stay."""
