@@ -1825,8 +1825,9 @@ def shared_prompt_hidden(model, prompts, responses, dev):
     Prompts are left-padded into one prefill; the distinct responses (right-padded) continue from
     their prompt's cache row at positions len(prompt), len(prompt)+1, ..."""
     from transformers import DynamicCache
-    unique = {p: k for k, p in enumerate(dict.fromkeys(map(tuple, prompts)))}
-    pairs = {pr: k for k, pr in enumerate(dict.fromkeys(zip(map(tuple, prompts), map(tuple, responses))))}
+    keys = list(zip(map(tuple, prompts), map(tuple, responses)))
+    unique = {p: k for k, p in enumerate(dict.fromkeys(p for p, _ in keys))}
+    pairs = {pr: k for k, pr in enumerate(dict.fromkeys(keys))}
     ids, mask = (t.to(dev) for t in left_pad(list(unique), 0))
     cache = DynamicCache()
     last = model.model(ids, mask, (mask.cumsum(-1) - 1).clamp(min=0), cache, use_cache=True).last_hidden_state[:, -1:]
@@ -1845,7 +1846,7 @@ def shared_prompt_hidden(model, prompts, responses, dev):
         rest = model.model(rest_ids.to(dev), full_mask, position, cache, use_cache=True).last_hidden_state
         hidden = torch.cat([hidden, rest], 1)  # [pairs, 1 + rest_width, H]: position t predicts token t
     width = hidden.shape[1]
-    index = [pairs[tuple(p), tuple(r)] * width + t for p, r in zip(prompts, responses) for t in range(len(r))]
+    index = [pairs[key] * width + t for key in keys for t in range(len(key[1]))]
     return hidden.flatten(0, 1)[torch.tensor(index, device=dev)]
 
 
