@@ -2160,7 +2160,8 @@ def main(cfg):
     if ddp.master:
         os.makedirs(out_dir, exist_ok=True)
         if not resume:  # a fresh run replaces an earlier run's outputs (its checkpoint is overwritten anyway)
-            stale = sorted(f for f in os.listdir(out_dir) if re.fullmatch(r"log\.jsonl|accuracy_matrix\.json|eval(_\w+)?\.(json|md|png)|stage\d+_.+", f))
+            earlier_outputs = r"log\.jsonl|accuracy_matrix\.json|eval(_\w+)?\.(json|md|png)|stage\d+_.+"
+            stale = sorted(f for f in os.listdir(out_dir) if re.fullmatch(earlier_outputs, f))
             for f in stale:
                 path = os.path.join(out_dir, f)
                 shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)

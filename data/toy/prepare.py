@@ -14,10 +14,11 @@ format is learned from its SFT data. Domains (distance from `add`, the usual fir
 Two answer formats make format leakage measurable: a `\\boxed{}` in a string task (or an
 `<answer>` tag in an arithmetic one) is another domain's format showing up.
 
-Training lines carry `solution` (the reference response, used by SFT). Copies of 15% of them in
-the SDPO teacher-context format (the prompt followed by a correct solution, or by feedback on a
-wrong attempt) go to data/toy/context/train.jsonl, which the SFT base mixes in so that, like a
-real LLM, it learns to use a demonstration in context; RL stages never sample them.
+Training lines carry `solution` (the reference response, used by SFT). Copies of some of them
+(CONTEXT_FRACTION per domain) in the SDPO teacher-context format (the prompt followed by a correct
+solution, or by feedback on a wrong attempt) go to data/toy/context/train.jsonl, which the SFT
+base trains on (mixed in, then alone) so that, like a real LLM, it learns to use a demonstration
+in context; RL stages never sample them.
 The templates are train.py's defaults, read from there so the two never disagree.
 """
 import json
