@@ -38,7 +38,6 @@ import copy
 import json
 import os
 import random
-import re
 import statistics
 import sys
 import time
@@ -48,16 +47,15 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import train  # noqa: E402
+from configurator import config_keys  # noqa: E402
 
 DEFAULT_CKPT = os.path.join("out", "toy_base", "ckpt")
 PHASES = ["gen_s", "reward_s", "context_s", "reference_s", "teacher_s", "student_s", "optimizer_s", "ema_s"]
 
 
 def defaults():
-    """train.py's config defaults as a dict (the `key = value  # help` lines of its defaults block)."""
-    with open(train.__file__) as f:
-        keys = [m.group(1) for m in (re.match(r"^([a-z]\w*) = .*?\s+# ", line) for line in f) if m]
-    return {k: getattr(train, k) for k in keys if isinstance(getattr(train, k, None), (bool, int, float, str))}
+    """train.py's config defaults as a dict (the keys configurator.py accepts)."""
+    return {k: getattr(train, k) for k in config_keys(vars(train), train.__file__)}
 
 
 def median(xs):

@@ -22,7 +22,6 @@ import argparse
 import json
 import os
 import random
-import re
 import sys
 import time
 
@@ -31,16 +30,15 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import train  # noqa: E402
+from configurator import config_keys  # noqa: E402
 
 DOMAINS = ["add", "sub", "mul", "sort", "rev"]
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
 
 
 def defaults():
-    """train.py's config defaults as a dict (the `key = value  # help` lines of its defaults block)."""
-    with open(train.__file__) as f:
-        keys = [m.group(1) for m in (re.match(r"^([a-z]\w*) = .*?\s+# ", line) for line in f) if m]
-    return {k: getattr(train, k) for k in keys if isinstance(getattr(train, k, None), (bool, int, float, str))}
+    """train.py's config defaults as a dict (the keys configurator.py accepts)."""
+    return {k: getattr(train, k) for k in config_keys(vars(train), train.__file__)}
 
 
 def wrong_answer(answer, rng):
