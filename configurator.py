@@ -6,12 +6,19 @@ nanoGPT-style configuration, exec'd by train.py / eval.py / sample.py into their
 Each positional argument is a python file executed in the script's globals (a config file is
 a diff against the defaults); each --key=value overrides one default. Values are parsed as
 python literals (plain words stay strings); the type must match the default's (an int where a
-float is expected is fine). An unknown key or a wrong type exits with a one-line error naming
-the key. `--help` lists every key with its default and the comment beside it.
+float is expected is fine) and a float must be finite. A config file may import modules and
+define helpers: only plain values (bool/int/float/str) are settings. Every bad input -- an
+unknown key, a wrong type, nan/inf, a config file that is missing, unreadable, has a syntax
+error or raises -- exits with one line naming the key or file:line, before any work is done.
+`--help` lists every key with its default and the comment beside it.
 """
 import ast
+import math
 import re
-import sys
+import traceback
+
+PLAIN = (bool, int, float, str)
+NON_FINITE_WORDS = {"nan", "inf", "infinity"}  # float() accepts these, with any case and sign
 
 
 def config_keys(scope, source_file):
@@ -21,7 +28,7 @@ def config_keys(scope, source_file):
     with open(source_file) as f:
         for line in f:
             m = re.match(r"^([a-z]\w*) = (.*?)\s+# (.*)$", line.rstrip("\n"))
-            if m and isinstance(scope.get(m.group(1)), (bool, int, float, str)):
+            if m and isinstance(scope.get(m.group(1)), PLAIN):
                 helps[m.group(1)] = m.group(3)
     return helps
 
@@ -34,14 +41,82 @@ def literal(raw):
         return raw
 
 
+def one_line(text):
+    """Collapse whitespace so a message from python (or a config file) cannot span lines."""
+    return " ".join(str(text).split())
+
+
+def non_finite(value):
+    """nan/inf as a float (1e400 parses to inf) or as a word float() would read ('nan', '-inf',
+    'Infinity'): either would only surface, if at all, as a NaN loss hours into a run."""
+    if isinstance(value, float):
+        return not math.isfinite(value)
+    return isinstance(value, str) and value.strip().lower().lstrip("+-") in NON_FINITE_WORDS
+
+
 def coerce(key, value, default, where):
-    """Return value if it has the default's type (int accepted for float), else exit naming the key."""
+    """Return value if it has the default's type (int accepted for float) and, for a float, is
+    finite; else exit naming the key."""
+    if isinstance(default, float) and non_finite(value):
+        raise SystemExit(f"error: {where}: {key}={value!r} must be a finite number like the default {default!r}")
     if isinstance(default, float) and type(value) is int:
         return float(value)
     if type(value) is not type(default):
         raise SystemExit(f"error: {where}: {key}={value!r} should be {type(default).__name__} "
                          f"like the default {default!r}")
     return value
+
+
+def compile_config(path):
+    """The config file's code object, compiled under its real name so that a syntax error, and
+    any traceback frame while it runs, names the file and line instead of "<string>"."""
+    try:
+        with open(path, "rb") as f:  # bytes: compile() honours a coding line and reports bad encodings
+            source = f.read()
+    except FileNotFoundError:
+        raise SystemExit(f"error: config file {path} not found") from None
+    except IsADirectoryError:
+        raise SystemExit(f"error: config file {path} is a directory, not a python file") from None
+    except OSError as e:
+        raise SystemExit(f"error: config file {path} cannot be read: {one_line(e.strerror or e)}") from None
+    try:
+        return compile(source, path, "exec")
+    except SyntaxError as e:
+        where = f"{path}:{e.lineno}" if e.lineno else path
+        text = f" ({one_line(e.text)})" if e.text and e.text.strip() else ""
+        raise SystemExit(f"error: {where}: {one_line(e.msg)}{text}") from None
+    except ValueError as e:  # null bytes on older pythons (a SyntaxError without a line on newer ones)
+        raise SystemExit(f"error: {path}: {one_line(e)}") from None
+
+
+def run_config(path, values):
+    """Execute the config file with the current settings visible (it may read them) and return the
+    names it leaves behind. One namespace, so functions defined in the file see its imports. An
+    exception exits with the file's own line (the deepest frame in the file), not a traceback."""
+    code = compile_config(path)
+    namespace = dict(values)
+    try:
+        exec(code, namespace)
+    except Exception as e:
+        lines = [frame.lineno for frame in traceback.extract_tb(e.__traceback__) if frame.filename == path]
+        where = f"{path}:{lines[-1]}" if lines else path
+        message = f"{type(e).__name__}: {one_line(e)}" if str(e).strip() else type(e).__name__
+        raise SystemExit(f"error: {where}: {message}") from None
+    return namespace
+
+
+def settings_in_file(path, current):
+    """{key: value} a config file sets. Names starting with _ and anything that is not a plain value
+    (modules, functions, classes, lists, None) are the file's own helpers; an unknown plain-valued
+    name is most likely a typo of a key, so it is refused."""
+    out = {}
+    for k, v in run_config(path, current).items():
+        if k.startswith("_") or (k not in current and not isinstance(v, PLAIN)):
+            continue
+        if k not in current:
+            raise SystemExit(f"error: {path} sets unknown config key '{k}' (see --help; name a helper _{k})")
+        out[k] = v
+    return out
 
 
 def configure(scope, argv, source_file):
@@ -56,18 +131,8 @@ def configure(scope, argv, source_file):
         raise SystemExit(0)
     for arg in argv:
         if not arg.startswith("--"):
-            try:
-                with open(arg) as f:
-                    code = f.read()
-            except OSError:
-                raise SystemExit(f"error: config file {arg} not found") from None
-            file_scope = {k: scope[k] for k in keys}  # a config file may read the current values
-            exec(code, {}, file_scope)
-            for k, v in file_scope.items():
-                if k.startswith("_"):
-                    continue
-                if k not in keys:
-                    raise SystemExit(f"error: {arg} sets unknown config key '{k}' (see --help)")
+            current = {k: scope[k] for k in keys}  # a config file may read the current values
+            for k, v in settings_in_file(arg, current).items():
                 scope[k] = coerce(k, v, keys[k], arg)
         else:
             key, sep, raw = arg[2:].partition("=")

@@ -130,3 +130,125 @@ def test_resume_from_something_that_is_not_a_checkpoint(tmp_path, toy_data):
 def test_missing_model_folder_is_one_clear_error():
     with pytest.raises(train.UserError, match="not found"):
         train.load_model("out/no_such_run/ckpt", defaults(), None, None)
+
+
+def config_file_error(tmp_path, text, name="cfg.py"):
+    """The one-line message configure() exits with for a config file holding `text`; and its path."""
+    path = tmp_path / name
+    path.write_bytes(text) if isinstance(text, bytes) else path.write_text(text)
+    message = configure_error(str(path))
+    assert message.startswith("error: ") and len(message.splitlines()) == 1, message
+    assert "Traceback" not in message and "<string>" not in message, message
+    return message, str(path)
+
+
+def test_syntax_error_in_a_config_file_names_file_and_line(tmp_path):
+    message, path = config_file_error(tmp_path, "density = 0.5\n\nalpha = = 1\n")
+    assert message.startswith(f"error: {path}:3: invalid syntax"), message
+    message, path = config_file_error(tmp_path, "density = (0.5\n")
+    assert message.startswith(f"error: {path}:1: "), message
+    message, path = config_file_error(tmp_path, b"density = 0.5\x00\n")  # null bytes: no line to name
+    assert path in message
+
+
+def test_syntax_error_through_the_command_line(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text("density = 0.5\nalpha = = 1\n")
+    proc = run_train(str(bad), check=False)
+    assert proc.returncode != 0
+    assert proc.stderr.strip().splitlines() == [proc.stderr.strip()], proc.stderr
+    assert proc.stderr.startswith(f"error: {bad}:2: invalid syntax"), proc.stderr
+
+
+def test_exception_in_a_config_file_names_file_line_and_type(tmp_path):
+    message, path = config_file_error(tmp_path, "density = 0.5\n\nalpha = 1 / 0\n")
+    assert message == f"error: {path}:3: ZeroDivisionError: division by zero"
+    message, path = config_file_error(tmp_path, "density = undefined_name\n")
+    assert message == f"error: {path}:1: NameError: name 'undefined_name' is not defined"
+    # raised inside a function the file defines: the deepest line in the file, the raise itself
+    message, path = config_file_error(tmp_path, "def f():\n    raise ValueError('bad\\nvalue')\n\ndensity = f()\n")
+    assert message == f"error: {path}:2: ValueError: bad value"
+    message, path = config_file_error(tmp_path, "import no_such_module_xyz\n")
+    assert message.startswith(f"error: {path}:1: ModuleNotFoundError: ") and "no_such_module_xyz" in message
+
+
+def test_exception_in_a_config_file_through_the_command_line(tmp_path):
+    bad = tmp_path / "raises.py"
+    bad.write_text("density = 0.5\nalpha = density / 0\n")
+    proc = run_train(str(bad), check=False)
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip() == f"error: {bad}:2: ZeroDivisionError: float division by zero", proc.stderr
+
+
+def test_config_file_may_import_and_define_helpers(tmp_path):
+    from configurator import configure
+    good = tmp_path / "good.py"
+    good.write_text("import math\nfrom os import path\nlearning_rate = 1e-3 * math.sqrt(2)\n"
+                    "def half(x):\n    return x / 2\nclass Helper:\n    pass\ndomains = ['toy/add', 'toy/sub']\n"
+                    "stages = '+'.join(domains) + ':10'\nalpha = half(math.pi) / 10\n")
+    cfg = configure(dict(vars(train)), [str(good)], train.__file__)
+    assert cfg["learning_rate"] == pytest.approx(1e-3 * 2 ** 0.5)
+    assert cfg["alpha"] == pytest.approx(3.141592653589793 / 20)
+    assert cfg["stages"] == "toy/add+toy/sub:10"
+    assert not {"math", "path", "half", "Helper", "domains"} & set(cfg)
+
+
+def test_config_file_unknown_plain_name_is_still_refused(tmp_path):
+    for text, key in (("import math\ndensiti = 0.5\n", "densiti"), ("from math import pi\n", "pi"),
+                      ("name = 'x'\n", "name"), ("flag = True\n", "flag")):
+        message, path = config_file_error(tmp_path, text)
+        assert f"unknown config key '{key}'" in message and path in message, message
+    # a known key is type-checked whatever its value, a module included
+    message, _ = config_file_error(tmp_path, "import math as density\n")
+    assert "density" in message and "float" in message, message
+
+
+def test_non_finite_floats_are_refused_on_the_command_line():
+    for arg, key in (("--learning_rate=1e400", "learning_rate"), ("--density=nan", "density"),
+                     ("--density=inf", "density"), ("--density=-inf", "density"), ("--alpha=+inf", "alpha"),
+                     ("--alpha=Infinity", "alpha"), ("--alpha=-infinity", "alpha"), ("--alpha=NaN", "alpha"),
+                     ("--density=-1e400", "density")):
+        message = configure_error(arg)
+        assert len(message.splitlines()) == 1 and f"{key}=" in message and "finite number" in message, (arg, message)
+
+
+def test_non_finite_float_through_the_command_line():
+    proc = run_train("--learning_rate=1e400", check=False)
+    assert proc.returncode != 0
+    assert proc.stderr.strip().splitlines() == [proc.stderr.strip()], proc.stderr
+    assert "learning_rate" in proc.stderr and "finite number" in proc.stderr
+
+
+def test_non_finite_floats_in_a_config_file_are_refused(tmp_path):
+    for text in ("density = float('nan')\n", "density = 1e400\n", "density = -float('inf')\n", "density = 'nan'\n",
+                 "import math\ndensity = math.inf\n"):
+        message, path = config_file_error(tmp_path, text)
+        assert path in message and "density=" in message and "finite number" in message, (text, message)
+
+
+def test_string_and_int_keys_keep_their_words():
+    """The finite check is for float keys only: 'nan' is a fine out_dir, and an int key still says int."""
+    from configurator import configure
+    cfg = configure(dict(vars(train)), ["--out_dir=nan", "--init_from=inf"], train.__file__)
+    assert cfg["out_dir"] == "nan" and cfg["init_from"] == "inf"
+    assert "should be int" in configure_error("--max_iters=inf")
+
+
+def test_config_file_that_is_a_directory_or_unreadable(tmp_path, monkeypatch):
+    import configurator
+    message = configure_error(str(tmp_path))
+    assert len(message.splitlines()) == 1 and str(tmp_path) in message and "directory" in message, message
+    assert "not found" in configure_error(str(tmp_path / "missing.py"))
+    locked = tmp_path / "locked.py"
+    locked.write_text("density = 0.5\n")
+    real_open = open
+
+    def no_permission(path, *args, **kwargs):  # chmod 000 does not stop root, so refuse the read here
+        if str(path) == str(locked):
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_open(path, *args, **kwargs)
+    monkeypatch.setattr(configurator, "open", no_permission, raising=False)
+    message = configure_error(str(locked))
+    assert message == f"error: config file {locked} cannot be read: Permission denied"
+    message, path = config_file_error(tmp_path, b"\xff\xfe density = 1\n")  # not text at all
+    assert message.startswith(f"error: {path}:1: "), message
