@@ -11,7 +11,9 @@ What it reports (JSON at `out`, default run_dir/eval.json, and a markdown table 
               plus delta = model − base, and the macro average over sets.
   continual   from run_dir/accuracy_matrix.json: average final accuracy, forgetting per set,
               backward and forward transfer, in-domain gain per stage (see continual_metrics).
-  drift       parameter drift ‖θ−θ0‖/‖θ0‖ (overall, per layer, per module type); response drift
+  drift       parameter drift ‖θ−θ0‖/‖θ0‖ (overall, per layer, per module type); spectral drift
+              (how far the top-k singular subspaces of each weight matrix rotated and its top-k
+              singular values changed, after arXiv 2511.08567; see spectral_drift); response drift
               on fixed prompts (MMD² of base-model embeddings of the two models' responses, and
               text similarity of paired responses); format artifacts (another domain's answer
               format, repetition loops, missing final answers, mean length) -- for the model and,
@@ -25,11 +27,13 @@ JSON keys: config, model, base_model, eval_sets, ks,
   accuracy      {set: {n_prompts, model: {mean@n, pass@k...}, base: {...}, delta: {...}}}
   accuracy_avg  {model, base, delta} macro-averaged over sets
   continual     the accuracy matrix (eval_sets, stages, base, rows) + continual_metrics(), or null
-  drift         param {overall, by_layer, by_module}; response {set: {mmd2, mmd2_floor, bandwidth,
-                text_similarity, identical, n_prompts}}; artifacts {set: {model, base}} (every eval
-                sample); drift_artifacts / base_drift_artifacts {set: ...} (the drift responses);
+  drift         param {overall, by_layer, by_module}; spectral {k, overall, by_module} (each group: n, k,
+                nss_left, nss_right, max_angle_left, max_angle_right, sv_change; null when spectral_k=-1);
+                response {set: {mmd2, mmd2_floor, bandwidth, text_similarity, identical, n_prompts}};
+                artifacts {set: {model, base}} (every eval sample); drift_artifacts / base_drift_artifacts
+                {set: ...} (the drift responses);
                 examples {set: [{prompt, model, base}]}
-  stage_drift   [{stage, name, path, param, response, artifacts}] per stage snapshot of run_dir
+  stage_drift   [{stage, name, path, param, spectral, response, artifacts}] per stage snapshot of run_dir
   plots         the PNG paths (plots=True)
 Same configurator as train.py: `python eval.py --help` lists every key.
 """
@@ -59,6 +63,7 @@ max_prompts = 0  # test prompts per set (0 = all)
 drift_prompts = 32  # the first prompts of each set used for response drift (0 = skip response drift)
 batch_prompts = 8  # prompts per generation batch (each with n samples)
 stage_drift = True  # drift metrics for every per-stage snapshot in run_dir (a curve over stages)
+spectral_k = 0  # top-k singular directions per matrix for spectral drift (0 = auto: min(m,n)//8 clipped to 1..64; -1 = skip)
 out = ""  # JSON output path ('' = run_dir/eval.json, else eval.json); the markdown goes beside it (.md)
 seed = 1337  # sampling seed (each set and each model starts from the same generator state)
 device = "auto"  # 'auto', 'cpu', 'cuda', ...
@@ -161,20 +166,16 @@ def module_type(name):
     return "other"
 
 
-@torch.no_grad()
-def param_drift(state, state0):
-    """Relative parameter drift ‖θ−θ0‖ / ‖θ0‖ between two state dicts (θ = state, θ0 = state0).
-
-    Returns {"overall", "by_layer": {layer index (str): ...}, "by_module": {module type: ...}},
-    each the norm of the difference over that group's tensors concatenated, divided by the norm
-    of the group's θ0. Floating-point tensors only; a tensor that shares storage with one already
-    counted, in either state dict (tied embedding / LM head), is counted once. 0 for an unchanged model. Parameters
-    outside a numbered block (embeddings, final norm) appear only in overall and by_module."""
-    diff2, ref2, seen = {}, {}, set()
+def paired_tensors(state, state0):
+    """Yield (name, θ tensor, θ0 tensor) for every floating-point tensor of two state dicts of one
+    architecture (θ = state, θ0 = state0). A tensor that shares storage with one already yielded, in
+    either state dict (tied embedding / LM head), is skipped: counted once. Different names or shapes
+    raise one train.UserError naming the first mismatch."""
     missing = sorted(set(state0) ^ set(state))
     if missing:
         raise train.UserError(f"the two models have different parameters ({', '.join(missing[:3])}...): "
                               "parameter drift needs the same architecture")
+    seen = set()
     for name, t0 in state0.items():
         t = state[name]
         if not torch.is_floating_point(t0):
@@ -185,6 +186,20 @@ def param_drift(state, state0):
         if ("base", t0.data_ptr()) in seen or ("model", t.data_ptr()) in seen:
             continue  # tied to a tensor already counted (in either model)
         seen.update((("base", t0.data_ptr()), ("model", t.data_ptr())))
+        yield name, t, t0
+
+
+@torch.no_grad()
+def param_drift(state, state0):
+    """Relative parameter drift ‖θ−θ0‖ / ‖θ0‖ between two state dicts (θ = state, θ0 = state0).
+
+    Returns {"overall", "by_layer": {layer index (str): ...}, "by_module": {module type: ...}},
+    each the norm of the difference over that group's tensors concatenated, divided by the norm
+    of the group's θ0. Floating-point tensors only; a tensor that shares storage with one already
+    counted, in either state dict (tied embedding / LM head), is counted once. 0 for an unchanged model. Parameters
+    outside a numbered block (embeddings, final norm) appear only in overall and by_module."""
+    diff2, ref2 = {}, {}
+    for name, t, t0 in paired_tensors(state, state0):
         d = (t.detach().double().to(t0.device) - t0.detach().double()).pow(2).sum().item()
         r = t0.detach().double().pow(2).sum().item()
         layer = _LAYER_RE.search(name)
@@ -199,6 +214,119 @@ def param_drift(state, state0):
     return {"overall": rel("overall") if "overall" in diff2 else 0.0,
             "by_layer": {g[6:]: rel(g) for g in layers},
             "by_module": {m: rel("module:" + m) for m in MODULE_TYPES if "module:" + m in diff2}}
+
+
+# ----------------------------------------------------------------------------- spectral drift
+SPECTRAL_METRICS = ("nss_left", "nss_right", "max_angle_left", "max_angle_right", "sv_change")
+
+
+def spectral_k_for(shape, k):
+    """The k used for a weight matrix of this shape: k itself when k > 0 (at most min(m, n)); for
+    k = 0, min(64, max(1, min(m, n) // 8)): the top eighth of the directions, capped at 64 so that
+    "principal" keeps meaning the leading directions of a large matrix (2560 x 9728 -> 64; the toy
+    model's 128 x 128 and 512 x 128 -> 16)."""
+    r = min(shape)
+    return min(k, r) if k > 0 else min(64, max(1, r // 8))
+
+
+def top_singular(w, k):
+    """(s, U, V): the top-k singular values of a 2-D tensor, descending, and orthonormal bases
+    (columns) of its top-k left and right singular subspaces; float64 on the CPU.
+
+    Computed from the Gram matrix of the smaller side rather than a full SVD: for W (m x n, m <= n),
+    W Wᵀ = U Σ² Uᵀ, so torch.linalg.eigh gives σ_i² and U; the right subspace span(V_k) equals
+    span(Wᵀ U_k) = span(V_k Σ_k), orthonormalised by QR (the bases are compared as subspaces, so
+    the signs and order within them do not matter). In float64 this matches torch.linalg.svd to
+    roundoff (about ε·σ1² / (σk² − σk+1²) in the vectors) at a fraction of the cost: m²n for the Gram
+    product plus an m x m eigh, against gesdd's QR + SVD (one thread here: 1024 x 3891 0.7 s vs
+    6.1 s, 2560 x 9728 14 s vs 50 s). Not torch.svd_lowrank: its top-k subspace is approximate (on
+    1024 x 3891 with σ_i ∝ i^-0.5, q = 2k = 128 and niter = 4 still leave a 3° largest angle to the
+    exact one), far above the sub-degree rotations being measured."""
+    w = w.detach().to("cpu", torch.float64)
+    wide = w.shape[0] <= w.shape[1]
+    a = w if wide else w.T  # a: the matrix with the smaller side first (m <= n)
+    evals, evecs = torch.linalg.eigh(a @ a.T)  # ascending
+    s = evals.flip(0)[:k].clamp_min(0).sqrt()
+    left = evecs.flip(1)[:, :k]
+    right, _ = torch.linalg.qr(a.T @ left)
+    return (s, left, right) if wide else (s, right, left)
+
+
+def subspace_similarity(a, b):
+    """(NSS, largest principal angle in degrees) between span(a) and span(b), a and b n x k with
+    orthonormal columns.
+
+    The principal angles θ_1 <= ... <= θ_k have cos θ_i = the singular values of aᵀb. NSS =
+    ‖aᵀb‖_F² / k = mean_i cos² θ_i: 1 for the same subspace, 0 for orthogonal ones, k/n on average
+    for a random k-dimensional subspace of R^n. The largest angle is taken from its sine,
+    sin θ_k = ‖b − a aᵀb‖₂ (the part of span(b) outside span(a)), which stays accurate for the tiny
+    angles RL fine-tuning produces, where arccos of a cosine near 1 would lose digits."""
+    k = a.shape[1]
+    ab = a.T @ b
+    nss = min(1.0, ab.pow(2).sum().item() / k)
+    sin_max = torch.linalg.matrix_norm(b - a @ ab, ord=2).item()
+    return nss, math.degrees(math.asin(min(1.0, sin_max)))
+
+
+@torch.no_grad()
+def spectral_drift(state, state0, k=0):
+    """How far training rotated and rescaled the principal directions of each weight matrix
+    (θ = state, θ0 = state0), after "The Path Not Taken" (arXiv 2511.08567): RL updates leave the
+    top singular subspaces and spectrum of the base weights nearly intact, SFT rotates and
+    rescales them. ‖θ−θ0‖/‖θ0‖ cannot tell these apart: W = 2·W0 drifts by 1 but keeps every
+    direction, while a small update aimed along the top singular vectors rotates them. The
+    paper's exact formulas could not be checked here (only its abstract was reachable); these are
+    the standard definitions of subspace similarity and principal angles (Björck & Golub 1973).
+
+    For every 2-D floating-point weight W0 (base) and W (model), with k = spectral_k_for(shape, k)
+    and U0, U (V0, V) orthonormal bases of the top-k left (right) singular subspaces (top_singular):
+      nss_left         ‖U0ᵀU‖_F² / k = mean cos² of the principal angles (1 = same subspace, 0 = orthogonal)
+      max_angle_left   the largest principal angle between span(U0) and span(U), in degrees
+      nss_right, max_angle_right   the same for V0, V
+      sv_change        ‖σ − σ0‖₂ / ‖σ0‖₂ over the top-k singular values (each sorted descending):
+                       the relative spectrum drift (W = 2·W0 gives 1.0, a rotation gives 0)
+    Each is the unweighted mean over matrices: "overall", and "by_module" per module_type, each
+    group with "n" (matrices) and "k" (the distinct k used). Skipped: 1-D tensors (norms, biases),
+    embeddings and the LM head (module type "embed": a lookup table / readout indexed by vocabulary,
+    the largest matrix by far, and not one of the block's linear maps that the principal-direction
+    argument is about), and a W0 that is all zeros (no principal directions); tied tensors count
+    once and mismatched architectures raise param_drift's train.UserError (paired_tensors).
+
+    Caveat: the top-k subspace is well defined only when σ_k > σ_k+1. Where the spectrum has no
+    gap at k (e.g. a randomly initialised matrix), directions near the cut can swap under a tiny
+    update: the largest angle reacts first, NSS (an average over k) much less.
+
+    Cost: two float64 eighs (base and model) of the smaller Gram matrix per matrix, on the CPU
+    (top_singular). Toy model (4 layers, width 128: 28 matrices of 128 x 128 and 512 x 128): ~0.4 s
+    on one thread. Qwen3-4B (252 matrices, 180 of them with a 2560 side, up to 2560 x 9728): ~14 s
+    per 2560 x 9728 decomposition on one thread (torch.linalg.svd: ~50 s), so ~1.5 h on one thread
+    or perhaps 15-30 min on 16 cores for every model compared (the final model and each stage
+    snapshot; an estimate, not measured; eigh does not scale linearly with cores); spectral_k = -1
+    in eval.py skips it."""
+    sums, ks = {}, {}
+    for name, t, t0 in paired_tensors(state, state0):
+        kind = module_type(name)
+        if t0.dim() != 2 or kind == "embed" or not t0.any():
+            continue
+        kk = spectral_k_for(t0.shape, k)
+        s0, u0, v0 = top_singular(t0, kk)
+        s, u, v = top_singular(t, kk)
+        values = (*subspace_similarity(u0, u), *subspace_similarity(v0, v))
+        row = dict(zip(("nss_left", "max_angle_left", "nss_right", "max_angle_right"), values),
+                   sv_change=(s - s0).norm().item() / s0.norm().item())
+        for group in ("overall", kind):
+            acc = sums.setdefault(group, dict.fromkeys(SPECTRAL_METRICS, 0.0) | {"n": 0})
+            for key in SPECTRAL_METRICS:
+                acc[key] += row[key]
+            acc["n"] += 1
+            ks.setdefault(group, set()).add(kk)
+
+    def mean(group):
+        acc = sums[group]
+        return {"n": acc["n"], "k": sorted(ks[group]), **{key: acc[key] / acc["n"] for key in SPECTRAL_METRICS}}
+
+    return {"k": k, "overall": mean("overall") if "overall" in sums else None,
+            "by_module": {m: mean(m) for m in MODULE_TYPES if m in sums}}
 
 
 # ----------------------------------------------------------------------------- response drift
@@ -465,9 +593,11 @@ def response_drift(texts, base, drift_sets, dev, cfg, autocast):
 
 
 def drift_of(model_, tokenizer, base, drift_sets, cfg, dev, autocast):
-    """Parameter drift, response drift and artifacts (on the drift responses) of one model vs the base."""
+    """Parameter and spectral drift, response drift and artifacts (on the drift responses) of one model vs the base."""
     texts = drift_responses(model_, tokenizer, drift_sets, cfg, autocast) if drift_sets else {}
     out_ = {"param": param_drift(model_.state_dict(), base["state"]) if base else None,
+            "spectral": spectral_drift(model_.state_dict(), base["state"], cfg["spectral_k"])
+            if base and cfg["spectral_k"] >= 0 else None,
             "response": response_drift(texts, base, drift_sets, dev, cfg, autocast) if base and drift_sets else {},
             "artifacts": {name: artifacts_of(tokenizer, tasks, [[t] for t in texts[name]])
                           for name, tasks in drift_sets.items()}}
@@ -517,6 +647,20 @@ def markdown(report):
                       f"| {_f(p['overall'], 4)} | " + " | ".join(_f(v, 4) for v in p["by_module"].values()) + " |", ""]
             if p["by_layer"]:
                 lines += ["per layer: " + ", ".join(f"{layer} {_f(v, 4)}" for layer, v in p["by_layer"].items()), ""]
+        if (d.get("spectral") or {}).get("overall"):
+            sp = d["spectral"]
+            lines += [f"## Spectral drift: top-k singular subspaces of each weight matrix vs base "
+                      f"(k = {sp['k'] or 'auto'})", "",
+                      "NSS = ‖U0ᵀU‖²_F / k (1 = the same top-k subspace, 0 = orthogonal); max angle = the largest "
+                      "principal angle (degrees); σ change = ‖σ−σ0‖/‖σ0‖ of the top-k singular values; "
+                      "means over matrices (embeddings and LM head excluded)", "",
+                      "| module | matrices | k | NSS left | NSS right | max angle left (°) | max angle right (°) | σ change |",
+                      "|---|---|---|---|---|---|---|---|"]
+            for name, g in [("**overall**", sp["overall"])] + list(sp["by_module"].items()):
+                lines.append(f"| {name} | {g['n']} | {'/'.join(map(str, g['k']))} | {_f(g['nss_left'], 5)} | "
+                             f"{_f(g['nss_right'], 5)} | {_f(g['max_angle_left'])} | {_f(g['max_angle_right'])} | "
+                             f"{_f(g['sv_change'], 4)} |")
+            lines.append("")
         if d.get("response"):
             lines += ["## Response drift vs base (fixed prompts, 1 sample each)", "",
                       "| set | prompts | MMD² | MMD² floor (base vs base) | bandwidth | text similarity | identical |",
@@ -537,17 +681,20 @@ def markdown(report):
     curve = report.get("stage_drift")
     if curve:
         sets = list(curve[0]["response"] or curve[0]["artifacts"])
-        lines += ["## Drift per stage snapshot", "", "| stage | param drift | " +
+        lines += ["## Drift per stage snapshot", "", "| stage | param drift | NSS L/R | max angle L/R (°) | σ change | " +
                   " | ".join(f"MMD² {s} | sim {s} | foreign {s} | loop {s} | empty {s}" for s in sets) + " |",
-                  "|---|---|" + "---|---|---|---|---|" * len(sets)]
+                  "|---|---|---|---|---|" + "---|---|---|---|---|" * len(sets)]
         for st in curve:
             cells = []
             for s in sets:
                 r, a = st["response"].get(s, {}), st["artifacts"].get(s, {})
                 cells += [_f(r.get("mmd2"), 4), _f(r.get("text_similarity")), _f(a.get("foreign_format")),
                           _f(a.get("repetition")), _f(a.get("empty_answer"))]
+            sp = (st.get("spectral") or {}).get("overall") or {}
             lines.append(f"| {st['stage']}: {st['name']} | {_f((st['param'] or {}).get('overall'), 4)} | "
-                         + " | ".join(cells) + " |")
+                         f"{_f(sp.get('nss_left'), 5)} / {_f(sp.get('nss_right'), 5)} | "
+                         f"{_f(sp.get('max_angle_left'))} / {_f(sp.get('max_angle_right'))} | "
+                         f"{_f(sp.get('sv_change'), 4)} | " + " | ".join(cells) + " |")
         lines.append("")
     return "\n".join(lines)
 
@@ -620,6 +767,8 @@ def main(cfg):
         raise train.UserError("n and batch_prompts must be >= 1")
     if cfg["drift_prompts"] == 1 or cfg["drift_prompts"] < 0:
         raise train.UserError(f"drift_prompts={cfg['drift_prompts']}: MMD needs >= 2 prompts (0 = skip response drift)")
+    if cfg["spectral_k"] < -1:
+        raise train.UserError(f"spectral_k={cfg['spectral_k']}: give k > 0, 0 (auto) or -1 (skip spectral drift)")
     if cfg["temperature"] <= 0 or not 0 < cfg["top_p"] <= 1:
         raise train.UserError("temperature must be > 0 and top_p in (0, 1]")
     if cfg["dtype"] not in ("auto", "float32", "bfloat16", "float16"):

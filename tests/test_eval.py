@@ -1,4 +1,4 @@
-"""eval.py: continual metrics, MMD, parameter drift, format artifacts, pass@k, and a run end to end."""
+"""eval.py: continual metrics, MMD, parameter and spectral drift, format artifacts, pass@k, and a run end to end."""
 import json
 import math
 import os
@@ -159,6 +159,112 @@ def test_module_type():
     assert ev.module_type("model.embed_tokens.weight") == "embed"
 
 
+# ----------------------------------------------------------------------------- spectral drift
+def random_orthogonal(n, generator):
+    q, r = torch.linalg.qr(torch.randn(n, n, dtype=torch.float64, generator=generator))
+    return q * torch.sign(torch.diagonal(r))  # Haar-distributed
+
+
+def test_spectral_drift_identical_states_and_which_matrices_count():
+    model = tiny_model()
+    d = ev.spectral_drift(model.state_dict(), model.state_dict())
+    # 2 layers x (q, k, v, o, gate, up, down); the tied embedding / LM head and the norms are skipped
+    assert d["overall"]["n"] == 14 and d["k"] == 0
+    assert set(d["by_module"]) == {"attn_q", "attn_k", "attn_v", "attn_o", "mlp"}
+    assert d["by_module"]["mlp"]["n"] == 6 and d["overall"]["k"] == [4]  # auto: min(32, 64) // 8
+    for g in [d["overall"], *d["by_module"].values()]:
+        assert g["nss_left"] == pytest.approx(1.0, abs=1e-9) and g["nss_right"] == pytest.approx(1.0, abs=1e-9)
+        assert g["max_angle_left"] < 1e-6 and g["max_angle_right"] < 1e-6
+        assert g["sv_change"] == 0
+    norm_only = {"model.norm.weight": torch.ones(4)}
+    assert ev.spectral_drift(norm_only, norm_only)["overall"] is None  # 1-D tensors only: nothing measured
+
+
+def test_spectral_drift_known_principal_angle():
+    # W0 = diag(5, 4, 3, 2, 1, 0.5) (singular vectors: the unit vectors); W = R W0 with R a rotation
+    # by φ in the (e1, e3) plane: the top-2 left subspace turns from span(e1, e2) to
+    # span(cos φ e1 + sin φ e3, e2), principal angles {0, φ}; W's right singular vectors and its
+    # singular values are those of W0 (WᵀW = W0ᵀW0)
+    phi = math.radians(20)
+    w0 = torch.diag(torch.tensor([5.0, 4.0, 3.0, 2.0, 1.0, 0.5], dtype=torch.float64))
+    rot = torch.eye(6, dtype=torch.float64)
+    rot[0, 0] = rot[2, 2] = math.cos(phi)
+    rot[2, 0], rot[0, 2] = math.sin(phi), -math.sin(phi)
+    name = "model.layers.0.mlp.up_proj.weight"
+    d = ev.spectral_drift({name: rot @ w0}, {name: w0}, k=2)
+    o = d["overall"]
+    assert o["n"] == 1 and o["k"] == [2]
+    assert o["max_angle_left"] == pytest.approx(20.0, abs=1e-9)
+    assert o["nss_left"] == pytest.approx((1 + math.cos(phi) ** 2) / 2, abs=1e-12)
+    assert o["nss_right"] == pytest.approx(1.0, abs=1e-12) and o["max_angle_right"] == pytest.approx(0.0, abs=1e-6)
+    assert o["sv_change"] == pytest.approx(0.0, abs=1e-12)
+    # the right side: W = W0 Rᵀ turns the right subspace instead
+    d = ev.spectral_drift({name: w0 @ rot.T}, {name: w0}, k=2)["overall"]
+    assert d["max_angle_right"] == pytest.approx(20.0, abs=1e-9) and d["nss_left"] == pytest.approx(1.0, abs=1e-12)
+    # a wide matrix (m < n) goes through the other branch of top_singular: same answer
+    wide = torch.cat([w0, torch.zeros(6, 3, dtype=torch.float64)], dim=1)
+    d = ev.spectral_drift({name: rot @ wide}, {name: wide}, k=2)["overall"]
+    assert d["max_angle_left"] == pytest.approx(20.0, abs=1e-9) and d["nss_right"] == pytest.approx(1.0, abs=1e-12)
+
+
+def test_spectral_drift_rescaling_keeps_directions_but_doubles_the_spectrum():
+    g = torch.Generator().manual_seed(0)
+    state0 = {f"model.layers.{i}.self_attn.q_proj.weight": torch.randn(24, 16, generator=g) for i in range(3)}
+    state = {n: 2 * w for n, w in state0.items()}
+    assert ev.param_drift(state, state0)["overall"] == pytest.approx(1.0)  # ‖2W0 − W0‖ / ‖W0‖
+    o = ev.spectral_drift(state, state0, k=4)["overall"]
+    assert o["nss_left"] == pytest.approx(1.0, abs=1e-9) and o["nss_right"] == pytest.approx(1.0, abs=1e-9)
+    assert o["max_angle_left"] < 1e-4 and o["max_angle_right"] < 1e-4
+    assert o["sv_change"] == pytest.approx(1.0, abs=1e-9)  # every top-k singular value doubled: +100 %
+
+
+def test_spectral_drift_random_replacement_is_near_k_over_n():
+    # W = Q diag(σ0) Pᵀ with fresh Haar-random Q, P: same spectrum, top-k subspaces uniformly random,
+    # so E ‖U0ᵀU‖_F² / k = k / n
+    g = torch.Generator().manual_seed(0)
+    n, k, count = 64, 8, 24
+    state0, state = {}, {}
+    for i in range(count):
+        name = f"model.layers.{i}.mlp.down_proj.weight"
+        state0[name] = torch.randn(n, n, dtype=torch.float64, generator=g)
+        s0 = torch.linalg.svdvals(state0[name])
+        state[name] = random_orthogonal(n, g) @ torch.diag(s0) @ random_orthogonal(n, g).T
+    o = ev.spectral_drift(state, state0, k=k)["overall"]
+    assert o["n"] == count
+    assert o["nss_left"] == pytest.approx(k / n, abs=0.03) and o["nss_right"] == pytest.approx(k / n, abs=0.03)
+    assert o["max_angle_left"] > 70 and o["max_angle_right"] > 70  # nearly orthogonal somewhere
+    assert o["sv_change"] == pytest.approx(0.0, abs=1e-9)
+
+
+def test_spectral_drift_counts_tied_tensors_once_and_rejects_mismatches():
+    g = torch.Generator().manual_seed(0)
+    w0, w = torch.randn(16, 8, generator=g), torch.randn(16, 8, generator=g)
+    # two names, one tensor (in both models): one matrix
+    tied0 = {"model.layers.0.mlp.up_proj.weight": w0, "model.layers.0.mlp.gate_proj.weight": w0}
+    tied = {"model.layers.0.mlp.up_proj.weight": w, "model.layers.0.mlp.gate_proj.weight": w}
+    d = ev.spectral_drift(tied, tied0, k=2)
+    assert d["overall"]["n"] == 1 and d["by_module"]["mlp"]["n"] == 1
+    untied = ev.spectral_drift({"model.layers.0.mlp.up_proj.weight": w}, {"model.layers.0.mlp.up_proj.weight": w0}, k=2)
+    assert d["overall"] == untied["overall"]
+    # an all-zero base matrix has no principal directions: skipped
+    assert ev.spectral_drift({"model.layers.0.mlp.up_proj.weight": w},
+                             {"model.layers.0.mlp.up_proj.weight": torch.zeros(16, 8)})["overall"] is None
+    for a, b in (({"a": torch.zeros(2, 2)}, {"b": torch.zeros(2, 2)}),
+                 ({"a": torch.zeros(3, 2)}, {"a": torch.zeros(2, 2)})):
+        with pytest.raises(train.UserError, match="same architecture") as spectral:
+            ev.spectral_drift(a, b)
+        with pytest.raises(train.UserError, match="same architecture") as param:
+            ev.param_drift(a, b)
+        assert str(spectral.value) == str(param.value) and "\n" not in str(spectral.value)
+
+
+def test_spectral_k_for():
+    assert ev.spectral_k_for((128, 512), 0) == 16
+    assert ev.spectral_k_for((9728, 2560), 0) == 64  # capped
+    assert ev.spectral_k_for((4, 6), 0) == 1
+    assert ev.spectral_k_for((128, 512), 200) == 128 and ev.spectral_k_for((128, 512), 5) == 5
+
+
 # ----------------------------------------------------------------------------- format artifacts
 def test_foreign_formats():
     assert ev.foreign_formats("so <answer>abc</answer>", "exact") == []
@@ -296,10 +402,18 @@ def test_two_stage_run_then_eval(toy_data, tmp_path):
     curve = r["stage_drift"]
     assert [s["stage"] for s in curve] == [1, 2] and [s["name"] for s in curve] == ["toy/add", "toy/sort"]
     assert 0 < curve[0]["param"]["overall"] and curve[1]["param"]["overall"] == pytest.approx(r["drift"]["param"]["overall"])
+    sp = r["drift"]["spectral"]
+    assert sp["k"] == 0 and sp["overall"]["n"] == 7  # 1 layer x (q, k, v, o, gate, up, down)
+    assert set(sp["by_module"]) == {"attn_q", "attn_k", "attn_v", "attn_o", "mlp"}
+    for key in ("nss_left", "nss_right"):
+        assert 0 < sp["overall"][key] < 1  # trained: the top-k subspaces moved, but not to orthogonal
+    assert 0 < sp["overall"]["max_angle_left"] <= 90 and sp["overall"]["sv_change"] > 0
+    assert curve[1]["spectral"]["overall"] == pytest.approx(sp["overall"])  # the last snapshot is the final model
+    assert curve[0]["spectral"]["overall"]["n"] == 7
     with open(os.path.join(run, "eval.md")) as f:
         md = f.read()
-    for heading in ("## Accuracy", "## Continual", "## Parameter drift", "## Response drift", "## Format artifacts",
-                    "## Drift per stage snapshot"):
+    for heading in ("## Accuracy", "## Continual", "## Parameter drift", "## Spectral drift", "## Response drift",
+                    "## Format artifacts", "## Drift per stage snapshot"):
         assert heading in md
     assert "## Accuracy" in proc.stdout  # the table is printed too
 
@@ -308,7 +422,7 @@ def test_user_errors(tmp_path):
     cfg = {key: getattr(ev, key) for key in ("run_dir", "model", "base_model", "eval_sets", "n", "k", "temperature",
                                             "top_p", "max_new_tokens", "max_prompts", "drift_prompts", "batch_prompts",
                                             "stage_drift", "out", "seed", "device", "dtype", "data_dir",
-                                            "enable_thinking", "plots")}
+                                            "enable_thinking", "plots", "spectral_k")}
     with pytest.raises(train.UserError, match="nothing to evaluate"):
         ev.main(dict(cfg))
     with pytest.raises(train.UserError, match="not a folder"):
@@ -317,3 +431,5 @@ def test_user_errors(tmp_path):
         ev.main(dict(cfg, run_dir=str(tmp_path)))
     with pytest.raises(train.UserError, match="MMD needs"):
         ev.main(dict(cfg, model="x", drift_prompts=1))
+    with pytest.raises(train.UserError, match="spectral_k=-2"):
+        ev.main(dict(cfg, model="x", spectral_k=-2))
