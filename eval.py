@@ -49,6 +49,7 @@ import torch
 
 import train
 from configurator import configure
+from data import checkers
 
 run_dir = ""  # a training run folder (train.py's out_dir): accuracy matrix, per-stage snapshots, base model
 model = ""  # checkpoint folder or HF id to score ('' = run_dir/ckpt)
@@ -74,20 +75,6 @@ plots = False  # also write PNGs: the accuracy-matrix heatmap and drift curves (
 
 
 # ----------------------------------------------------------------------------- accuracy
-def accuracy_summary(scores, ks, threshold=1.0):
-    """Per-prompt score lists (n each) -> {f"mean@{n}", f"pass@{k}" for k in ks (k <= n)}.
-
-    mean@n = mean of all scores; pass@k = mean over prompts of the unbiased estimator
-    1 − C(n−c, k)/C(n, k), c = number of samples with score >= threshold."""
-    n_samples = len(scores[0])
-    out = {f"mean@{n_samples}": sum(map(sum, scores)) / (n_samples * len(scores))}
-    correct = [sum(s >= threshold for s in row) for row in scores]
-    for kk in ks:
-        if kk <= n_samples:
-            out[f"pass@{kk}"] = sum(train.pass_at_k(n_samples, c, kk) for c in correct) / len(correct)
-    return out
-
-
 def delta(a, b):
     """a − b for every key the two dicts share (values None when either is)."""
     return {key: (a[key] - b[key] if a[key] is not None and b[key] is not None else None) for key in a if key in b}
@@ -459,7 +446,7 @@ def format_artifacts(texts, kinds, lengths):
 
     foreign_format: fraction with another domain's answer format (foreign_formats);
     repetition: fraction stuck in a loop (repetition_loop); empty_answer: fraction that are blank
-    or have no extractable final answer (train.final_answer); mean_len: mean tokens per response;
+    or have no extractable final answer (checkers.final_answer); mean_len: mean tokens per response;
     formats: the fraction showing each answer format at all."""
     m = len(texts)
     if m == 0:
@@ -468,7 +455,7 @@ def format_artifacts(texts, kinds, lengths):
         "n": m,
         "foreign_format": sum(bool(foreign_formats(t, kd)) for t, kd in zip(texts, kinds)) / m,
         "repetition": sum(repetition_loop(t) for t in texts) / m,
-        "empty_answer": sum(train.final_answer(kd, t) is None for t, kd in zip(texts, kinds)) / m,
+        "empty_answer": sum(checkers.final_answer(kd, t) is None for t, kd in zip(texts, kinds)) / m,
         "mean_len": sum(lengths) / m,
         "formats": {name: sum(bool(rx.search(t)) for t in texts) / m for name, rx in FORMATS.items()},
     }
@@ -548,11 +535,13 @@ def score_sets(model_, tokenizer, sets, cfg, ks, autocast, label):
     res = {}
     for name, tasks in sets.items():
         print(f"{label}: {name} ({len(tasks)} prompts x {cfg['n']} samples)", flush=True)
-        gen = torch.Generator().manual_seed(cfg["seed"])
+        dev = next(model_.parameters()).device
         with autocast():
-            r = train.evaluate(model_, tokenizer, tasks, cfg["n"], cfg["temperature"], cfg["top_p"], cfg["max_new_tokens"],
-                               cfg["batch_prompts"], gen, cfg["enable_thinking"], 1.0, progress=True)
-        res[name] = {"metrics": accuracy_summary(r["scores"], ks), "texts": r["texts"],
+            r = train.evaluate(model_, tokenizer, tasks, n=cfg["n"], temperature=cfg["temperature"], top_p=cfg["top_p"],
+                               max_new_tokens=cfg["max_new_tokens"], batch_prompts=cfg["batch_prompts"],
+                               generator=train.make_generator(cfg["seed"], dev), enable_thinking=cfg["enable_thinking"],
+                               progress=True, static=train.use_static_rollout("auto", dev))
+        res[name] = {"metrics": train.accuracy_summary(r["scores"], ks), "texts": r["texts"],
                      "artifacts": artifacts_of(tokenizer, tasks, r["texts"])}
     return res
 
@@ -561,10 +550,12 @@ def drift_responses(model_, tokenizer, drift_sets, cfg, autocast, seed_offset=0)
     """One response per fixed drift prompt, sampled with a generator seeded by cfg['seed']: {set: [text]}."""
     out_ = {}
     for name, tasks in drift_sets.items():
-        gen = torch.Generator().manual_seed(cfg["seed"] + seed_offset)
+        dev = next(model_.parameters()).device
         with autocast():
-            r = train.evaluate(model_, tokenizer, tasks, 1, cfg["temperature"], cfg["top_p"], cfg["max_new_tokens"],
-                               max(1, cfg["batch_prompts"] * cfg["n"]), gen, cfg["enable_thinking"], 1.0)
+            r = train.evaluate(model_, tokenizer, tasks, n=1, temperature=cfg["temperature"], top_p=cfg["top_p"],
+                               max_new_tokens=cfg["max_new_tokens"], batch_prompts=max(1, cfg["batch_prompts"] * cfg["n"]),
+                               generator=train.make_generator(cfg["seed"] + seed_offset, dev),
+                               enable_thinking=cfg["enable_thinking"], static=train.use_static_rollout("auto", dev))
         out_[name] = [row[0] for row in r["texts"]]
     return out_
 

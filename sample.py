@@ -21,7 +21,7 @@ prompt_file = ""  # a text file (one prompt per line) or a data .jsonl file; ove
 system = ""  # optional system message
 num_samples = 1  # responses per prompt
 max_new_tokens = 256  # response length cap
-temperature = 0.6  # sampling temperature
+temperature = 0.6  # sampling temperature (0 = greedy)
 top_p = 0.95  # nucleus sampling
 seed = 1337  # sampling seed
 device = "auto"  # 'auto', 'cpu', 'cuda', ...
@@ -52,19 +52,28 @@ def main(cfg):
     dev = train.pick_device(cfg["device"])
     if not cfg["prompt_file"] and not cfg["prompt"]:
         raise train.UserError("nothing to sample: give --prompt=... or --prompt_file=...")
+    for key in ("num_samples", "max_new_tokens"):
+        if cfg[key] < 1:
+            raise train.UserError(f"{key}={cfg[key]} must be >= 1")
+    if cfg["temperature"] < 0 or not 0 < cfg["top_p"] <= 1:
+        raise train.UserError("temperature must be >= 0 (0 = greedy) and top_p in (0, 1]")
     try:
         prompts = read_prompts(cfg["prompt"], cfg["prompt_file"], cfg["system"])
     except FileNotFoundError:
         raise train.UserError(f"prompt_file {cfg['prompt_file']} not found") from None
+    if not prompts:
+        raise train.UserError(f"prompt_file {cfg['prompt_file']} holds no prompts (one per line, or task JSON lines)")
     model, tokenizer = train.load_model(cfg["init_from"], {}, dev, torch.float32)
     model.eval()
-    generator = torch.Generator().manual_seed(cfg["seed"])
+    generator = train.make_generator(cfg["seed"], dev)
     for messages, task in prompts:
         ids = train.prompt_ids(tokenizer, messages, cfg["enable_thinking"])
-        rollout = train.generate(model, [ids], cfg["num_samples"], cfg["max_new_tokens"], cfg["temperature"],
-                                 cfg["top_p"], tokenizer.eos_token_id, tokenizer.pad_token_id, generator)
+        out = train.generate(model, [ids], group_size=cfg["num_samples"], max_new_tokens=cfg["max_new_tokens"],
+                             temperature=cfg["temperature"], top_p=cfg["top_p"],
+                             eos_ids=train.stop_token_ids(model, tokenizer), pad_id=tokenizer.pad_token_id,
+                             generator=generator)
         print(f"### {messages[-1]['content']}")
-        for text in train.decode_responses(tokenizer, rollout):
+        for text in tokenizer.batch_decode(out.response_ids, skip_special_tokens=True):
             score = f"  [reward {train.reward(task['kind'], text, task['answer'])[0]:.0f}]" if task else ""
             print(f"--> {text}{score}")
 

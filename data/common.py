@@ -19,6 +19,8 @@ import tempfile
 
 from tqdm import tqdm
 
+from data.checkers import answer_text
+
 DATA_DIR = os.path.dirname(os.path.abspath(__file__))
 
 # named groups of eval sets (folders under data/), for eval.py's --eval_sets=<preset>
@@ -59,29 +61,9 @@ def shuffled_options(correct, incorrect, key, seed=0):
     return [options[i] for i in order], LETTERS[order.index(0)]
 
 
-def answer_str(x):
-    """27.0 -> '27'; other values as text."""
-    if isinstance(x, float) and x.is_integer():
-        return str(int(x))
-    return str(x).strip()
-
-
-def boxed_answer(text):
-    """Content of the last \\boxed{...} in a reference solution (None if there is none)."""
-    i = max(text.rfind("\\boxed{"), text.rfind("\\fbox{"))
-    if i < 0:
-        return None
-    start, depth = text.index("{", i), 0
-    for j in range(start, len(text)):
-        depth += {"{": 1, "}": -1}.get(text[j], 0)
-        if depth == 0:
-            return text[start + 1:j].strip()
-    return None
-
-
 def make_row(id, domain, kind, user, answer, system=None, **extra):
     messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": user}]
-    return {"id": str(id), "domain": domain, "kind": kind, "messages": messages, "answer": answer_str(answer), **extra}
+    return {"id": str(id), "domain": domain, "kind": kind, "messages": messages, "answer": answer_text(answer).strip(), **extra}
 
 
 def math_row(id, problem, answer, **extra):

@@ -17,7 +17,7 @@ import sys
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DATA_DIR = os.path.join(REPO, "..", "shared", "data")
 sys.path.insert(0, REPO)
-import train as R  # noqa: E402  (the reward checkers live in train.py)
+import train as R  # noqa: E402  (reward(): the dispatch to data/checkers.py)
 
 
 def load(data_dir, name):

@@ -6,6 +6,7 @@
     python tests/bench_step.py --dataset=toy/sort --max_new_tokens=24  # sort/rev answers are 23 tokens
     python tests/bench_step.py --no_ctx             # without the train set's teacher-context copies
     python tests/bench_step.py --threads=0          # torch's default thread count (default here: 1)
+    python tests/bench_step.py --device=cuda --static   # on a GPU (bf16 autocast; times synchronised)
 
 Iterations are assembled the way train.main assembles them (build_batch -> loss_backward ->
 optimizer_step -> ema_update), each algorithm on its own copy of the same initial weights, with
@@ -67,6 +68,7 @@ class Runner:
 
     def __init__(self, algo, base, tokenizer, cfg, dev):
         self.algo, self.tokenizer, self.dev = algo, tokenizer, dev
+        self.autocast, self.amp = train.make_autocast(dev, cfg["dtype"]), train.amp_dtype(dev, cfg["dtype"])
         self.cfg = dict(cfg, algo=algo)
         train.check_config(self.cfg)
         self.model = copy.deepcopy(base).train()
@@ -85,24 +87,24 @@ class Runner:
     def step(self, tasks, seed):
         """One iteration as train.main runs it; returns the record of phase times."""
         cfg, model = self.cfg, self.model
-        generator = torch.Generator().manual_seed(seed)
-        t0 = time.perf_counter()
+        generator = train.make_generator(seed, self.dev)
+        t0 = clock(self.dev)
         train.set_lr(self.optimizer, self.it, cfg["learning_rate"], cfg["warmup_iters"], cfg["max_iters"],
                      cfg["decay_lr"], cfg["min_lr"])
-        batch, metrics = train.build_batch(tasks, model, self.tokenizer, cfg, generator, self.dev)
-        t1 = time.perf_counter()
-        m = train.loss_backward(model, batch, cfg, self.dev, self.teacher, self.initial)
-        t2 = time.perf_counter()
+        batch, metrics = train.build_batch(tasks, model, self.tokenizer, cfg, generator, self.dev, self.autocast)
+        t1 = clock(self.dev)
+        m = train.loss_backward(model, batch, cfg, self.dev, self.teacher, self.initial, self.amp)
+        t2 = clock(self.dev)
         train.optimizer_step(model, self.optimizer, cfg["grad_clip"])
-        t3 = time.perf_counter()
+        t3 = clock(self.dev)
         if self.teacher is not None and cfg["teacher"] == "ema":
             train.ema_update(self.teacher, model, cfg["teacher_rate"])
-        t4 = time.perf_counter()
+        t4 = clock(self.dev)
         self.it += 1
-        n_seq = len(batch["responses"])
-        loss_seqs = sum(1 for i in range(n_seq) if batch["pg_weight"][i].any() or batch["distill_weight"][i].any())
-        used = [i for i in range(n_seq) if batch["pg_weight"][i].any() or batch["distill_weight"][i].any()]
-        teachers = [i for i in used if batch["teacher_prompts"][i] is not None and batch["distill_weight"][i].any()]
+        n_seq = len(batch.response_ids)
+        used = [i for i in range(n_seq) if batch.pg_weight[i].any() or batch.distill_weight[i].any()]
+        loss_seqs = len(used)
+        teachers = [i for i in used if batch.teacher_prompt_ids[i] is not None and batch.distill_weight[i].any()]
         teacher_seqs = len(teachers)
         rec = {
             "gen_s": metrics["gen_s"], "reward_s": metrics["reward_s"],
@@ -112,32 +114,41 @@ class Runner:
             "optimizer_s": t3 - t2, "ema_s": t4 - t3, "iter_s": t4 - t0,
             "tokens": metrics["tokens"], "acc": metrics["acc"], "loss_seqs": loss_seqs, "teacher_seqs": teacher_seqs,
             "seqs": n_seq, "reward": metrics["reward"],
-            "prompt_max_len": max(len(p) for p in batch["prompts"]),
+            "prompt_max_len": max(len(p) for p in batch.prompt_ids),
             # tokens through the student forward+backward and through the teacher forward (unpadded, before
             # its sharing), how many distinct teacher prompts (each prefilled once) and distinct
             # (teacher prompt, response) pairs (each read once) there were in the step
-            "student_seq_tokens": sum(len(batch["prompts"][i]) + len(batch["responses"][i]) for i in used),
-            "teacher_seq_tokens": sum(len(batch["teacher_prompts"][i]) + len(batch["responses"][i]) for i in teachers),
-            "teacher_prompt_tokens": sum(len(batch["teacher_prompts"][i]) for i in teachers),
-            "teacher_unique_prompts": len({tuple(batch["teacher_prompts"][i]) for i in teachers}),
-            "teacher_unique_pairs": len({(tuple(batch["teacher_prompts"][i]), tuple(batch["responses"][i])) for i in teachers}),
+            "student_seq_tokens": sum(len(batch.prompt_ids[i]) + len(batch.response_ids[i]) for i in used),
+            "teacher_seq_tokens": sum(len(batch.teacher_prompt_ids[i]) + len(batch.response_ids[i]) for i in teachers),
+            "teacher_prompt_tokens": sum(len(batch.teacher_prompt_ids[i]) for i in teachers),
+            "teacher_unique_prompts": len({tuple(batch.teacher_prompt_ids[i]) for i in teachers}),
+            "teacher_unique_pairs": len({(tuple(batch.teacher_prompt_ids[i]), tuple(batch.response_ids[i])) for i in teachers}),
         }
         rec["tok_s"] = rec["tokens"] / rec["iter_s"]
         return rec
 
 
-def bench_generate(model, tokenizer, prompts, args, dev):
+def clock(dev):
+    """perf_counter after the device has finished its queued work (CUDA runs asynchronously)."""
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    return time.perf_counter()
+
+
+def bench_generate(model, tokenizer, prompts, args, dev, autocast):
     """Median seconds and tokens/s of train.generate vs HF generate, interleaved (ABBA)."""
-    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
-    ids, mask = train.left_pad(prompts, pad)
+    eos, pad = train.stop_token_ids(model, tokenizer), tokenizer.pad_token_id
+    ids, mask = train.pad_batch(prompts, pad, left=True)
     ids, mask = ids.to(dev), mask.to(dev)
     width = ids.shape[1]
 
     def ours(seed, static=False):
-        g = torch.Generator().manual_seed(seed)
-        t0 = time.perf_counter()
-        r = train.generate(model, prompts, args.group_size, args.max_new_tokens, 1.0, 1.0, eos, pad, g, static)
-        dt = time.perf_counter() - t0
+        g = train.make_generator(seed, dev)
+        t0 = clock(dev)
+        with autocast():
+            r = train.generate(model, prompts, group_size=args.group_size, max_new_tokens=args.max_new_tokens,
+                               temperature=1.0, top_p=1.0, eos_ids=eos, pad_id=pad, generator=g, static=static)
+        dt = clock(dev) - t0
         return dt, sum(len(x) for x in r.response_ids)
 
     def static(seed):
@@ -145,12 +156,12 @@ def bench_generate(model, tokenizer, prompts, args, dev):
 
     def hf(seed):
         torch.manual_seed(seed)
-        t0 = time.perf_counter()
-        with torch.no_grad():
+        t0 = clock(dev)
+        with torch.no_grad(), autocast():
             out = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0, top_p=1.0, top_k=0,
                                  num_return_sequences=args.group_size, max_new_tokens=args.max_new_tokens,
                                  pad_token_id=pad, eos_token_id=eos)
-        dt = time.perf_counter() - t0
+        dt = clock(dev) - t0
         return dt, int(train.response_mask(out[:, width:].cpu(), eos).sum())
 
     methods = [("rollout", ours), ("hf", hf)] + ([("static", static)] if args.static else [])
@@ -183,6 +194,7 @@ def main():
                     help="timed iterations per algorithm (after 1 warm-up each; fewer than ~10 give unstable medians here)")
     ap.add_argument("--gen_runs", type=int, default=3, help="timed generation runs per method (after 1 warm-up each)")
     ap.add_argument("--seed", type=int, default=1337)
+    ap.add_argument("--device", default="cpu", help="'cpu' or 'cuda' (bf16 autocast there, as train.py's dtype='auto')")
     ap.add_argument("--static", action="store_true",
                     help="also time train.generate(static=True): static KV cache + torch.compile'd step (compiles first)")
     ap.add_argument("--success_threshold", type=float, default=None,
@@ -203,7 +215,7 @@ def main():
     cfg = dict(defaults(), init_from=args.init_from, batch_prompts=args.batch_prompts, group_size=args.group_size,
                max_new_tokens=args.max_new_tokens, seed=args.seed, success_threshold=args.success_threshold,
                micro_batch_size=args.micro_batch_size, dataset=args.dataset)
-    dev = torch.device("cpu")
+    dev = train.pick_device(args.device)
     random.seed(args.seed)
     torch.manual_seed(args.seed)
     try:
@@ -272,7 +284,7 @@ def main():
     gen_model = copy.deepcopy(base).eval()
     prompts = [train.prompt_ids(tokenizer, t["messages"]) for t in batches[0]]  # the first timed iteration's prompts
     plens = sorted(len(p) for p in prompts)
-    gb = bench_generate(gen_model, tokenizer, prompts, args, dev)
+    gb = bench_generate(gen_model, tokenizer, prompts, args, dev, train.make_autocast(dev, cfg["dtype"]))
     speedup = gb["hf"]["s"] / gb["rollout"]["s"]
     print(f"\ngeneration, {args.batch_prompts} prompts (those of the first timed iteration; prompt lengths "
           f"{plens[0]}..{plens[-1]}, median {plens[len(plens) // 2]}) x {args.group_size} samples, "
@@ -305,7 +317,7 @@ def main():
                      "gen_runs": args.gen_runs, "seed": args.seed, "no_ctx": args.no_ctx, "success_threshold": args.success_threshold,
                      "teacher": cfg["teacher"], "distill": cfg["distill"], "topk": cfg["topk"],
                      "micro_batch_size": cfg["micro_batch_size"], "threads": torch.get_num_threads(),
-                     "params": n_params, "vocab": len(tokenizer)},
+                     "params": n_params, "vocab": len(tokenizer), "device": str(dev)},
     }
     print(json.dumps({k: (round(v, 5) if isinstance(v, float) else v) for k, v in result.items()}))
 

@@ -137,9 +137,9 @@ def main():
             lp_c = score(model, prompts, correct_resp, dev)
             lp_w = score(model, prompts, wrong_resp, dev)
             ans = [float(lp[a:b].sum()) for lp, (a, b) in zip(lp_c, spans)]
-            gen = torch.Generator().manual_seed(args.seed)  # the same sampling stream for every variant
-            ev = train.evaluate(model, tokenizer, vt, args.n, args.temperature, args.top_p, args.max_new_tokens,
-                                len(vt), gen)
+            gen = train.make_generator(args.seed, dev)  # the same sampling stream for every variant
+            ev = train.evaluate(model, tokenizer, vt, n=args.n, temperature=args.temperature, top_p=args.top_p,
+                                max_new_tokens=args.max_new_tokens, batch_prompts=len(vt), generator=gen)
             copies = [train.reward(t["kind"], text, w)[0] for t, w, texts in zip(tasks, wrong, ev["texts"]) for text in texts]
             rows[name] = {
                 "logp_sum": sum(float(x.sum()) for x in lp_c) / len(tasks),

@@ -105,7 +105,7 @@ def test_missing_data_names_the_prepare_command(tmp_path):
 def test_malformed_jsonl_reports_file_and_line(tmp_path):
     d = tmp_path / "bad"
     d.mkdir()
-    (d / "train.jsonl").write_text('{"kind": "math", "messages": [], "answer": "1"}\n{not json\n')
+    (d / "train.jsonl").write_text('{"kind": "math", "messages": [{"role": "user", "content": "1+0"}], "answer": "1"}\n{not json\n')
     try:
         train.load_tasks("bad", "train", str(tmp_path))
     except train.UserError as e:

@@ -12,6 +12,7 @@ from conftest import ROOT, TINY, run_train
 
 import eval as ev
 import train
+from data import checkers
 
 
 # ----------------------------------------------------------------------------- continual metrics
@@ -294,16 +295,16 @@ def test_repetition_loop():
 
 
 def test_final_answer_and_artifact_rates():
-    assert train.final_answer("math", "\\boxed{12}") == "12"
-    assert train.final_answer("math", "\\boxed{}") is None
-    assert train.final_answer("math", "12") is None
-    assert train.final_answer("exact", "<answer>abc</answer>") == "abc"
-    assert train.final_answer("exact", "<answer> </answer>") is None
-    assert train.final_answer("exact", "<answer>abc") is None
-    assert train.final_answer("mcq", "so the answer is (B)") == "B"
-    assert train.final_answer("mcq", "\\boxed{C}") == "C"
-    assert train.final_answer("tool", "Action: search\nAction Input: {\"q\": 1}") == "search"
-    assert train.final_answer("tool", "") is None
+    assert checkers.final_answer("math", "\\boxed{12}") == "12"
+    assert checkers.final_answer("math", "\\boxed{}") is None
+    assert checkers.final_answer("math", "12") is None
+    assert checkers.final_answer("exact", "<answer>abc</answer>") == "abc"
+    assert checkers.final_answer("exact", "<answer> </answer>") is None
+    assert checkers.final_answer("exact", "<answer>abc") is None
+    assert checkers.final_answer("mcq", "so the answer is (B)") == "B"
+    assert checkers.final_answer("mcq", "\\boxed{C}") == "C"
+    assert checkers.final_answer("tool", "Action: search\nAction Input: {\"q\": 1}") == "search"
+    assert checkers.final_answer("tool", "") is None
     texts = ["\\boxed{12}", "<answer>12</answer>", "1" * 20, "", "<answer>abc</answer>", "\\boxed{abc}"]
     kinds = ["math"] * 4 + ["exact"] * 2
     a = ev.format_artifacts(texts, kinds, [4, 6, 20, 0, 5, 5])
@@ -319,7 +320,7 @@ def test_final_answer_and_artifact_rates():
 # ----------------------------------------------------------------------------- pass@k
 def test_pass_at_k_sanity():
     scores = [[1, 0, 0, 1], [0, 0, 0, 0], [1, 1, 1, 1], [0, 0, 1, 0]]
-    s = ev.accuracy_summary(scores, [1, 2, 4, 8])
+    s = train.accuracy_summary(scores, [1, 2, 4, 8])
     assert s["mean@4"] == pytest.approx(7 / 16)
     assert s["pass@1"] == pytest.approx(s["mean@4"])  # k = 1 is the mean accuracy
     assert s["pass@4"] == pytest.approx(3 / 4)  # k = n: any correct

@@ -10,10 +10,11 @@ import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
-import train as R  # noqa: E402  (the reward checkers live in train.py)
+import train  # noqa: E402  (the reward() dispatch)
+from data import checkers as R  # noqa: E402  (the answer checkers)
 from data.common import EVAL_PRESETS  # noqa: E402
 
-reward = R.reward
+reward = train.reward
 TRUNCATED = "The response was cut off before a final answer."
 
 
@@ -60,11 +61,11 @@ def test_math_different(pred, ref):
 
 
 def test_extract_boxed():
-    assert R.extract_boxed("a \\boxed{1} b \\boxed{\\frac{1}{2}} c") == "\\frac{1}{2}"
-    assert R.extract_boxed("\\boxed{{{x}}}") == "{{x}}"
-    assert R.extract_boxed("\\fbox{3} then \\boxed 4$") == "4"
-    assert R.extract_boxed("no box") is None and R.extract_boxed("\\boxed{1") is None
-    assert R.extract_boxed("\\boxed{" + "{" * 5000 + "1" + "}" * 5001) == "{" * 5000 + "1" + "}" * 5000
+    assert R.boxed_answer("a \\boxed{1} b \\boxed{\\frac{1}{2}} c") == "\\frac{1}{2}"
+    assert R.boxed_answer("\\boxed{{{x}}}") == "{{x}}"
+    assert R.boxed_answer("\\fbox{3} then \\boxed 4$") == "4"
+    assert R.boxed_answer("no box") is None and R.boxed_answer("\\boxed{1") is None
+    assert R.boxed_answer("\\boxed{" + "{" * 5000 + "1" + "}" * 5001) == "{" * 5000 + "1" + "}" * 5000
     assert R.normalize_math_answer("\\left( 3, \\dfrac{\\pi}{2} \\right)") == "(3,\\frac{\\pi}{2})"
     assert R.normalize_math_answer("\\$1,000") == "1000" and R.normalize_math_answer("x = \\frac12") == "\\frac{1}{2}"
 
@@ -190,7 +191,7 @@ def test_adversarial_inputs(name):
                 assert (score == 1.0) == (feedback is None)
             got = R.final_answer(kind, text)
             assert got is None or isinstance(got, str)
-        for f in (R.extract_boxed, R.normalize_math_answer):
+        for f in (R.boxed_answer, R.normalize_math_answer):
             f(text)
         assert isinstance(R.math_equal(text, text[:1000]), bool) and isinstance(R.math_equal(text[:300], "5"), bool)
     finally:

@@ -29,7 +29,7 @@ def test_generate_pad_equal_to_eos_still_keeps_the_stop_token():
     g = torch.Generator().manual_seed(0)
     eos = 3
     out = train.generate(model, [[1, 4, 5], [6]], group_size=4, max_new_tokens=12, temperature=3.0, top_p=1.0,
-                         eos_id=eos, pad_id=eos, generator=g)  # pad == eos, as with many tokenizers
+                         eos_ids=[eos], pad_id=eos, generator=g)  # pad == eos, as with many tokenizers
     assert len(out.response_ids) == 8 and out.prompt_ids[4] == [6]
     for ids, logp, trunc in zip(out.response_ids, out.old_logprobs, out.truncated):
         assert len(ids) == len(logp) and (logp <= 0).all()
@@ -42,7 +42,8 @@ def test_generate_logprobs_match_a_full_forward_with_left_padding():
     model = tiny_model()
     g = torch.Generator().manual_seed(1)
     prompts = [[1, 4, 5, 6, 7], [8, 9]]
-    out = train.generate(model, prompts, 2, 6, 0.7, 1.0, eos_id=19, pad_id=0, generator=g)
+    out = train.generate(model, prompts, group_size=2, max_new_tokens=6, temperature=0.7, top_p=1.0, eos_ids=[19],
+                         pad_id=0, generator=g)
     for p, r, old in zip(out.prompt_ids, out.response_ids, out.old_logprobs):
         logits = model(torch.tensor([p + r])).logits[0, len(p) - 1:len(p) - 1 + len(r)] / 0.7
         ref = torch.log_softmax(logits, -1).gather(-1, torch.tensor(r)[:, None]).squeeze(-1)
@@ -55,12 +56,12 @@ def test_generate_in_chunks_of_max_rows_equals_one_batch(monkeypatch):
     model = tiny_model()
     prompts = [[1, 4, 5, 6, 7], [8, 9], [10], [11, 12, 13]]
     calls = []
-    real = train.generate
-    monkeypatch.setattr(train, "generate", lambda m, p, *a, **k: calls.append(len(p)) or real(m, p, *a, **k))
-    runs = [train.generate(model, prompts, 3, 10, 1.0, 1e-6, eos_id=19, pad_id=0,
-                           generator=torch.Generator().manual_seed(0), max_rows=max_rows)
+    real = train.decode
+    monkeypatch.setattr(train, "decode", lambda m, p, **k: calls.append(len(p)) or real(m, p, **k))
+    runs = [train.generate(model, prompts, group_size=3, max_new_tokens=10, temperature=1.0, top_p=1e-6, eos_ids=[19],
+                           pad_id=0, generator=torch.Generator().manual_seed(0), max_rows=max_rows)
             for max_rows in (0, 7, 1)]
-    assert calls == [4, 4, 2, 2, 4, 1, 1, 1, 1]  # 7 rows -> 2 prompts x 3 per call; 1 row -> one whole group
+    assert calls == [4, 2, 2, 1, 1, 1, 1]  # 7 rows -> 2 prompts x 3 per call; 1 row -> one whole group
     for out in runs[1:]:
         assert out.prompt_ids == runs[0].prompt_ids and out.response_ids == runs[0].response_ids
         assert out.truncated == runs[0].truncated
@@ -77,8 +78,8 @@ def test_static_cache_decoding_equals_the_dynamic_cache(monkeypatch):
     monkeypatch.setattr(train, "_compiled_steps", {})
     model = tiny_model()
     prompts = [[1, 4, 5, 6, 7], [8, 9], [10]]
-    runs = [train.generate(model, prompts, 3, 10, 1.5, 0.9, eos_id=19, pad_id=0,
-                           generator=torch.Generator().manual_seed(3), static=static)
+    runs = [train.generate(model, prompts, group_size=3, max_new_tokens=10, temperature=1.5, top_p=0.9, eos_ids=[19],
+                           pad_id=0, generator=torch.Generator().manual_seed(3), static=static)
             for static in (False, True, True)]  # the second static call reuses the cache buffers
     assert train._compiled_steps, "the static path went through torch.compile"
     for out in runs[1:]:
@@ -142,25 +143,24 @@ def test_strip_thinking():
 def test_teacher_context_text_for_a_hand_made_group():
     cfg = dict(defaults(), use_feedback=True, feedback_only_without_solution=True)
     tasks = [{"messages": [{"role": "system", "content": "S"}, {"role": "user", "content": "Q?"}], "answer": "4"}]
-    rollout = train.Rollout(prompt_ids=None, response_ids=[[1]] * 3, old_logprobs=None,
-                            texts=["<think>hm</think>\\boxed{4}", "\\boxed{5}", "\\boxed{6}"], truncated=None)
+    texts = ["<think>hm</think>\\boxed{4}", "\\boxed{5}", "\\boxed{6}"]
     rewards, feedbacks = [1.0, 0.0, 0.0], [None, "Your final answer 5 is wrong.", "Your final answer 6 is wrong."]
-    ctx = train.teacher_contexts(tasks, rollout, rewards, feedbacks, 3, cfg)
+    ctx = train.teacher_contexts(tasks, texts, rewards, feedbacks, 3, cfg)
     assert ctx[0] is None  # the only success: no other peer, and no feedback on a success
     assert ctx[1][0] == {"role": "system", "content": "S"}  # system message untouched
     assert ctx[1][1]["content"] == ("Q?\n\nCorrect solution:\n\n\\boxed{4}\n\nCorrectly solve the original question.")
     assert tasks[0]["messages"][1]["content"] == "Q?"  # the task itself is not mutated
     # feedback always (not only without a solution)
     cfg["feedback_only_without_solution"] = False
-    ctx = train.teacher_contexts(tasks, rollout, rewards, feedbacks, 3, cfg)
+    ctx = train.teacher_contexts(tasks, texts, rewards, feedbacks, 3, cfg)
     assert ctx[2][1]["content"] == ("Q?\n\nCorrect solution:\n\n\\boxed{4}\n\nThe following is feedback from your "
                                     "unsuccessful earlier attempt:\n\nYour final answer 6 is wrong.\n\n"
                                     "Correctly solve the original question.")
     # no success in the group: feedback only, or nothing without use_feedback
-    ctx = train.teacher_contexts(tasks, rollout, [0.0] * 3, feedbacks, 3, cfg)
+    ctx = train.teacher_contexts(tasks, texts, [0.0] * 3, feedbacks, 3, cfg)
     assert ctx[0] is None and "Correct solution" not in ctx[1][1]["content"] and "answer 5" in ctx[1][1]["content"]
     cfg["use_feedback"] = False
-    assert train.teacher_contexts(tasks, rollout, [0.0] * 3, feedbacks, 3, cfg) == [None] * 3
+    assert train.teacher_contexts(tasks, texts, [0.0] * 3, feedbacks, 3, cfg) == [None] * 3
 
 
 def test_ema_update_math():

@@ -28,11 +28,11 @@ def hand_made_batch(tokenizer, with_teacher):
     teacher = [train.prompt_ids(tokenizer, msgs("12+30\n\nCorrect solution:\n\n\\boxed{42}"))] * 2 + \
               [train.prompt_ids(tokenizer, msgs("sort cab\n\nCorrect solution:\n\n<answer>abc</answer>"))] * 2
     total = sum(lengths)
-    return {"prompts": prompts, "responses": responses,
-            "old_logp": [torch.full((n,), -4.6) for n in lengths], "advantage": [0.5, -0.5, 0.5, -0.5],
-            "pg_weight": [torch.full((n,), 1.0 / total) for n in lengths],
-            "distill_weight": [torch.full((n,), 1.0 / total if with_teacher else 0.0) for n in lengths],
-            "teacher_prompts": teacher if with_teacher else [None] * 4}
+    return train.Batch(prompt_ids=prompts, response_ids=responses, old_logprobs=[torch.full((n,), -4.6) for n in lengths],
+                       truncated=[False] * 4, advantages=[0.5, -0.5, 0.5, -0.5],
+                       pg_weight=[torch.full((n,), 1.0 / total) for n in lengths],
+                       distill_weight=[torch.full((n,), 1.0 / total if with_teacher else 0.0) for n in lengths],
+                       teacher_prompt_ids=teacher if with_teacher else [None] * 4)
 
 
 @pytest.mark.parametrize("algo,teacher", [("grpo", "ema"), ("sdpo", "live"), ("sft", "ema")])
@@ -56,8 +56,8 @@ def test_all_masked_sdpo_batch_gives_zero_loss_without_nan(toy_data):
     """No response has a peer: zero loss, a graph, finite zero gradients."""
     cfg, model, tokenizer = tiny_setup(toy_data, "sdpo", teacher="live")
     batch = hand_made_batch(tokenizer, with_teacher=False)
-    batch["pg_weight"] = [torch.zeros_like(w) for w in batch["pg_weight"]]
-    batch["distill_weight"][0] = torch.zeros(0)  # edge case: nothing at all to learn from
+    batch.pg_weight = [torch.zeros_like(w) for w in batch.pg_weight]
+    batch.distill_weight[0] = torch.zeros(0)  # edge case: nothing at all to learn from
     m = train.loss_backward(model, batch, cfg, torch.device("cpu"))
     assert m["loss"] == 0 and m["distill_tokens"] == 0
     assert all(p.grad is None or torch.isfinite(p.grad).all() for p in model.parameters())
@@ -189,13 +189,13 @@ def test_density_one_distills_every_token_of_every_response_with_a_peer(toy_data
     tasks = train.load_tasks("toy/add", "test", toy_data)[:2]
     g = torch.Generator().manual_seed(0)
     batch, metrics = train.build_batch(tasks, model, tokenizer, cfg, g, torch.device("cpu"))
-    n = sum(len(r) for r in batch["responses"])
+    n = sum(len(r) for r in batch.response_ids)
     assert metrics["peer_frac"] == 1.0 and metrics["distill_frac"] == 1.0
-    assert all(torch.allclose(w, torch.full_like(w, 1.0 / n)) for w in batch["distill_weight"])
+    assert all(torch.allclose(w, torch.full_like(w, 1.0 / n)) for w in batch.distill_weight)
     batch, metrics = train.build_batch(tasks, model, tokenizer, dict(cfg, density=0.5), g, torch.device("cpu"))
-    kept = sum(int((w > 0).sum()) for w in batch["distill_weight"])
-    assert 0 < kept < sum(len(r) for r in batch["responses"])
-    assert all(torch.allclose(w[w > 0], torch.tensor(1.0 / kept)) for w in batch["distill_weight"] if (w > 0).any())
+    kept = sum(int((w > 0).sum()) for w in batch.distill_weight)
+    assert 0 < kept < sum(len(r) for r in batch.response_ids)
+    assert all(torch.allclose(w[w > 0], torch.tensor(1.0 / kept)) for w in batch.distill_weight if (w > 0).any())
 
 
 def test_collapse_guard_on_zero_accuracy_or_empty_responses():
@@ -220,9 +220,9 @@ def test_teacher_reads_the_same_token_positions_as_the_student(toy_data):
     every token, which only holds if both score the same response ids at the same positions."""
     cfg, model, tokenizer = tiny_setup(toy_data, "sdpo", teacher="live", distill="full")
     batch = hand_made_batch(tokenizer, with_teacher=True)
-    batch["teacher_prompts"] = list(batch["prompts"])
+    batch.teacher_prompt_ids = list(batch.prompt_ids)
     m = train.loss_backward(model, batch, cfg, torch.device("cpu"))
-    assert m["distill_tokens"] == sum(len(r) for r in batch["responses"])
+    assert m["distill_tokens"] == sum(len(r) for r in batch.response_ids)
     assert abs(m["div_sum"]) < 1e-5 and abs(m["teacher_minus_student_sum"]) < 1e-4
 
 

@@ -16,8 +16,9 @@ import re
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # repo root
-from data.common import (boxed_answer, convert, die, field, from_files, hub_records, load_hub,  # noqa: E402
-                         math_row, parse_args, write_splits)
+from data.checkers import boxed_answer  # noqa: E402
+from data.common import (convert, die, field, from_files, hub_records, load_hub, math_row, parse_args,  # noqa: E402
+                         write_splits)
 
 MATH_SUBJECTS = ["algebra", "counting_and_probability", "geometry", "intermediate_algebra",
                  "number_theory", "prealgebra", "precalculus"]

@@ -19,16 +19,19 @@ Training lines carry `solution` (the reference response, used by SFT). Copies of
 solution, or by feedback on a wrong attempt) go to data/toy/context/train.jsonl, which the SFT
 base trains on (mixed in, then alone) so that, like a real LLM, it learns to use a demonstration
 in context; RL stages never sample them.
-The templates are train.py's defaults, read from there so the two never disagree.
+The teacher templates are train.py's defaults, read from its source (nothing under data/
+imports train.py, or torch) so the two never disagree.
 """
+import ast
 import json
 import os
 import random
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))  # the repo root, for train.py
-import train  # noqa: E402  (templates and the tokenizer builder live there)
+ROOT = os.path.dirname(os.path.dirname(HERE))
+sys.path.insert(0, ROOT)  # the repo root, for data.checkers
+from data.checkers import check_exact, check_math  # noqa: E402
 
 DOMAINS = ["add", "sub", "mul", "sort", "rev"]
 # Training lines per domain. SFT (config/toy_base.py) samples uniformly from the joined lines, so
@@ -69,14 +72,26 @@ def wrong_attempt(solution, answer, rng):
     return solution.replace(answer, wrong)
 
 
+def train_defaults(*names):
+    """The values of train.py's default config keys `names`, read from its source."""
+    with open(os.path.join(ROOT, "train.py"), encoding="utf-8") as f:
+        tree = ast.parse(f.read())
+    values = {t.id: ast.literal_eval(node.value) for node in tree.body if isinstance(node, ast.Assign)
+              for t in node.targets if isinstance(t, ast.Name) and t.id in names}
+    return [values[n] for n in names]
+
+
+REPROMPT, SOLUTION, FEEDBACK = train_defaults("reprompt_template", "solution_template", "feedback_template")
+
+
 def teacher_context_example(question, solution, kind, answer, rng):
-    """The SDPO teacher prompt for this question: a correct peer, or feedback on a wrong try."""
+    """The SDPO teacher prompt for this question (as train.teacher_prompt_text builds it): a
+    correct peer, or the checker's feedback on a wrong try."""
     if rng.random() < 0.7:
-        peer, feedback = solution, None
-    else:
-        peer, feedback = None, train.reward(kind, wrong_attempt(solution, answer, rng), answer)[1]
-    return train.teacher_prompt_text(question, peer, feedback, train.reprompt_template,
-                                     train.solution_template, train.feedback_template)
+        return REPROMPT.format(prompt=question, solution=SOLUTION.format(solution=solution), feedback="")
+    check = {"math": check_math, "exact": check_exact}[kind]
+    feedback = check(wrong_attempt(solution, answer, rng), answer)[1]
+    return REPROMPT.format(prompt=question, solution="", feedback=FEEDBACK.format(feedback=feedback))
 
 
 def build_char_tokenizer():

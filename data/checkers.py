@@ -1,0 +1,740 @@
+"""
+Answer checkers: does a response's final answer match the reference? Standard library only, so
+that the prepare scripts, eval tools and train.py can all import it without torch.
+
+Each checker takes (response, answer) and returns (score in [0, 1], feedback str or None):
+  check_math   the last \\boxed{...} (or \\fbox{}), normalised and compared for equivalence
+  check_mcq    the letter in the last <answer>...</answer> (else \\boxed{X}, else "the answer is (X)")
+  check_tool   ReAct "Action: name / Action Input: {json}": the multiset of action names and the
+               merged Action Input objects must equal the reference (as in the SDPO paper's
+               ToolAlpaca set); JSON values compare by type (true is not 1)
+  check_exact  the stripped content of the last <answer>...</answer> equals the answer (toy suite)
+train.py maps each task's `kind` to one of them (its reward() dispatch).
+
+Feedback is None on success, else one sentence for the SDPO teacher prompt; it never reveals the
+reference answer. The checkers take bounded time on any string: they only look at the end of a
+response (TAIL_CHARS), compare answers structurally only when they are short (MAX_ANSWER_CHARS),
+and decide symbolic equivalence by evaluating both sides at fixed sample points with a tiny AST
+evaluator over complex floats (no eval, no sympy, no big-int power towers). The common case (an
+exact or a plain-number answer) takes microseconds. train.py still wraps every call in a
+try/except: a checker bug must not stop training.
+"""
+import ast
+import cmath
+import functools
+import json
+import re
+from collections import Counter
+from fractions import Fraction
+
+TAIL_CHARS = 20_000       # final answers sit at the end of a response: look no further back
+MAX_ANSWER_CHARS = 400    # longer "answers" are compared verbatim (minus spaces), not parsed
+TOOL_CHARS = 100_000      # tool calls: parse at most this many leading characters
+MAX_TOOL_CALLS = 64
+TRUNCATED_FEEDBACK = "The response was cut off before a final answer."
+
+
+def final_answer(kind, response):
+    """The final answer the checker of `kind` reads, or None when there is none (or it is blank).
+
+    math: the last \\boxed{}; exact: the last <answer>…</answer>; mcq: that tag, else a
+    \\boxed{}, else "the answer is (X)"; tool: the Action names. Used to measure empty answers."""
+    try:
+        text = "" if response is None else str(response)
+        if kind == "math":
+            got = _last_boxed(text)[0]
+        elif kind == "exact":
+            got = _last_tag(text)[0]
+        elif kind == "mcq":
+            got = _last_tag(text)[0]
+            if got is None:
+                got = _last_boxed(text)[0]
+            if got is None:
+                got = _answer_is_letter(text)
+        elif kind == "tool":
+            got = " ".join(name for name, _ in _parse_tool_calls(text)[0])
+        else:
+            got = text
+    except Exception:  # hostile text never raises
+        return None
+    return got if got is not None and got.strip() else None
+
+
+def answer_text(answer):
+    """A reference answer as text: 27.0 -> '27' (AMC stores floats), lists/dicts as JSON, None -> ''."""
+    if isinstance(answer, float) and answer.is_integer():
+        return str(int(answer))
+    if isinstance(answer, (list, dict)):
+        return json.dumps(answer)
+    return "" if answer is None else str(answer)
+
+
+def _clip_text(s, n=80):
+    s = " ".join(s.split())
+    return s if len(s) <= n else s[:n] + "..."
+
+
+# --- locating the final answer -----------------------------------------------------------------
+
+_BRACE_RE = re.compile(r"[{}]")
+_BARE_ARG_RE = re.compile(r"[^\s$]+")
+
+
+def _match_brace(s, i):
+    """Index of the '}' closing the '{' at s[i], or None (unbalanced). Linear time."""
+    depth = 0
+    for m in _BRACE_RE.finditer(s, i):
+        depth += 1 if m.group() == "{" else -1
+        if depth == 0:
+            return m.start()
+    return None
+
+
+def _last_boxed(text):
+    """(content of the last \\boxed{}/\\fbox{}, status): status is 'ok', 'none' or 'unclosed'."""
+    tail = text[-TAIL_CHARS:]
+    start, cmd = max((tail.rfind(c), c) for c in ("\\boxed", "\\fbox", "\\framebox"))
+    if start < 0:
+        return None, "none"
+    i = start + len(cmd)
+    while i < len(tail) and tail[i] == " ":
+        i += 1
+    if i < len(tail) and tail[i] == "{":
+        end = _match_brace(tail, i)
+        return (None, "unclosed") if end is None else (tail[i + 1:end], "ok")
+    m = _BARE_ARG_RE.match(tail, i)  # the "\boxed 5" form
+    return (m.group(), "ok") if m else (None, "unclosed")
+
+
+def boxed_answer(text):
+    """Content of the last \\boxed{...} (or \\fbox{...}) in text, or None."""
+    try:
+        return _last_boxed(str(text))[0]
+    except Exception:
+        return None
+
+
+def _last_tag(text, tag="answer"):
+    """(stripped content of the last <tag>...</tag>, status 'ok' | 'none' | 'unclosed')."""
+    tail = text[-TAIL_CHARS:]
+    spellings = (tag, tag.capitalize(), tag.upper())  # not tail.lower(): it can change the length
+    i = max(tail.rfind(f"<{t}>") for t in spellings)
+    if i < 0:
+        return None, "none"
+    ends = [j for j in (tail.find(f"</{t}>", i) for t in spellings) if j >= 0]
+    if not ends:
+        return None, "unclosed"
+    return tail[i + len(tag) + 2:min(ends)].strip(), "ok"
+
+
+# --- math ----------------------------------------------------------------------------------------
+
+def check_math(response, answer):
+    pred, status = _last_boxed(response)
+    if status == "unclosed":
+        return 0.0, TRUNCATED_FEEDBACK
+    if not pred or not pred.strip():
+        return 0.0, "No final answer found: put it in \\boxed{}."
+    if math_equal(pred, answer):
+        return 1.0, None
+    return 0.0, f"Your final answer {_clip_text(pred)} is wrong."
+
+
+_REWRITES = {"\u2212": "-", "\u2013": "-", "\u03c0": "\\pi", "\u221a": "\\sqrt", "\u00d7": "\\times",
+            "\u00b7": "\\cdot", "\u00f7": "\\div", "\u221e": "\\infty", "\u00b0": "", "\u00a0": " ",
+            "\u222a": "\\cup", "\\lbrace": "\\{", "\\rbrace": "\\}", "\\dfrac": "\\frac",
+            "\\tfrac": "\\frac", "\\displaystyle": "", "\\left": "", "\\right": "",
+            "^{\\circ}": "", "^\\circ": "", "\\circ": "", "\\degree": "", "\\%": "", "%": "",
+            "\\$": "", "$": ""}
+_SPACING_RE = re.compile(r"\\[!,;:>]|\\q?quad(?![a-zA-Z])|~|(?<!\\)\\ |\n|\t")
+_TEXT_CMD_RE = re.compile(r"\\(?:text|textbf|textit|textrm|textsf|mathrm|mathbf|mathit|mathsf|"
+                          r"mbox|boldsymbol|bm|operatorname)\s*\{")
+_UNITS = (r"dollars?|cents?|units?|degrees?|radians?|cm|mm|km|meters?|metres?|inch(?:es)?|feet|"
+          r"foot|ft|yards?|miles?|hours?|hrs?|minutes?|mins?|seconds?|secs?|days?|weeks?|months?|"
+          r"years?|mph|kg|grams?|pounds?|lbs?|ounces?|oz|liters?|litres?|ml|gallons?|people|"
+          r"persons?|students?|times|points?|percent")
+# units after a number: "5.4 \text{ cents}", "864 \mbox{ inches}^2", "18 dollars", "15 cm^2"
+_UNIT_TEXT_RE = re.compile(r"\\(?:text|mbox|mathrm|textrm)\{\s*[a-zA-Z][a-zA-Z .]*\}(?:\^\{?[23]\}?)?$")
+_UNIT_WORD_RE = re.compile(rf"\s(?:(?:square|sq\.?|cubic)\s+)?(?:{_UNITS})\.?(?:\^\{{?[23]\}}?)?$")
+_SPACE_RE = re.compile(r" (?![a-zA-Z])|(?<![a-zA-Z]) ")   # keep a space only between two letters
+_LHS_RE = re.compile(r"^(?:[a-zA-Z]|\\[a-zA-Z]+)(?:_\{?\w+\}?)?(?:\([a-zA-Z]\))?(?:=|\\in(?![a-zA-Z]))")
+_THOUSANDS_RE = re.compile(r"[+-]?\d{1,3}(?:,\d{3})+(?:\.\d+)?")
+_CMD_RE = re.compile(r"\\[a-zA-Z]+")
+_WORD_RE = re.compile(r"[a-zA-Z]{2,}")
+
+
+def normalize_math_answer(s):
+    """A canonical string for a final answer (with or without \\boxed): the cheap part of
+    equivalence. Strips $, spacing, \\left/\\right, \\text{}, units, degrees, percent,
+    "x =", thousands separators, redundant parentheses; fixes \\frac12 and \\sqrt2."""
+    s = "" if s is None else str(s)
+    if len(s) > MAX_ANSWER_CHARS:
+        return "".join(s.split())
+    try:
+        return _normalize_answer(s)
+    except Exception:
+        return "".join(s.split())
+
+
+@functools.lru_cache(maxsize=1 << 14)   # reference answers are normalised over and over
+def _normalize_answer(s):
+    s = s.strip()
+    if "box" in s:  # \boxed, \fbox, \framebox
+        inner = boxed_answer(s)
+        if inner is not None:
+            s = inner
+    for k, v in _REWRITES.items():
+        if k in s:
+            s = s.replace(k, v)
+    s = _SPACING_RE.sub(" ", s).strip()
+    for rx in (_UNIT_TEXT_RE, _UNIT_WORD_RE):  # units only after a number: "5 \text{ cm}", not "\text{east}"
+        m = rx.search(s)
+        if m and any(c.isdigit() for c in s[:m.start()]):
+            s = s[:m.start()].strip()
+    s = _unwrap_cmds(s, _TEXT_CMD_RE)
+    s = _SPACE_RE.sub("", " ".join(s.split()))
+    s = _fix_shorthand(s)
+    s = re.sub(r"\^\{(\w)\}", r"^\1", s)
+    s = re.sub(r"_\{(\w+)\}", r"_\1", s)
+    s = s.rstrip(".").strip()
+    s = _strip_lhs(s)
+    if _THOUSANDS_RE.fullmatch(s):
+        s = s.replace(",", "")
+    return _unparen(s)
+
+
+def _unwrap_cmds(s, rx):
+    """\\text{X} -> X for every command matched by rx."""
+    i = 0
+    while True:
+        m = rx.search(s, i)
+        if not m:
+            return s
+        end = _match_brace(s, m.end() - 1)
+        if end is None:
+            return s
+        s = s[:m.start()] + s[m.end():end] + s[end + 1:]
+        i = m.start()
+
+
+def _read_arg(s, i):
+    """One LaTeX argument at s[i:]: a {group}, a \\command or a single character."""
+    while i < len(s) and s[i] == " ":
+        i += 1
+    if i >= len(s):
+        raise ValueError("missing argument")
+    if s[i] == "{":
+        end = _match_brace(s, i)
+        if end is None:
+            raise ValueError("unbalanced")
+        return s[i + 1:end], end + 1
+    m = _CMD_RE.match(s, i)
+    if m:
+        return m.group(), m.end()
+    return s[i], i + 1
+
+
+def _fix_shorthand(s):
+    """\\frac12 -> \\frac{1}{2}, \\frac9{19} -> \\frac{9}{19}, \\sqrt2 -> \\sqrt{2}."""
+    if "\\frac" not in s and "\\sqrt" not in s:
+        return s
+    try:
+        out, i = [], 0
+        while i < len(s):
+            if s.startswith("\\frac", i) and not s[i + 5:i + 6].isalpha():
+                a, i = _read_arg(s, i + 5)
+                b, i = _read_arg(s, i)
+                out.append("\\frac{%s}{%s}" % (_fix_shorthand(a), _fix_shorthand(b)))
+            elif s.startswith("\\sqrt", i) and not s[i + 5:i + 6].isalpha():
+                i, index = i + 5, ""
+                if s[i:i + 1] == "[":
+                    close = s.index("]", i)
+                    index, i = s[i:close + 1], close + 1
+                a, i = _read_arg(s, i)
+                out.append("\\sqrt%s{%s}" % (index, _fix_shorthand(a)))
+            else:
+                out.append(s[i])
+                i += 1
+        return "".join(out)
+    except ValueError:
+        return s
+
+
+def _strip_lhs(s):
+    """'x=5' -> '5', 'f(x)=x^2' -> 'x^2', 'x\\in[-2,7]' -> '[-2,7]' (not '5x-7y=0')."""
+    m = _LHS_RE.match(s)
+    if m and m.end() < len(s) and "=" not in s[m.end():]:
+        return s[m.end():]
+    return s
+
+
+def _close_of(s, i):
+    """Index of the bracket closing the one at s[i] (any of ( [ { vs ) ] }), or None."""
+    depth = 0
+    for j in range(i, len(s)):
+        if s[j] in "([{":
+            depth += 1
+        elif s[j] in ")]}":
+            depth -= 1
+            if depth == 0:
+                return j
+    return None
+
+
+def _unparen(s):
+    """'(5)' -> '5', '\\text{(C)}' -> 'C'; a tuple '(1,2)' or a product '(a+1)(b+2)' stays."""
+    while len(s) >= 2 and s[0] == "(" and _close_of(s, 0) == len(s) - 1 and len(_split_top(s[1:-1], ",")) == 1:
+        s = s[1:-1]
+    return s
+
+
+def _split_top(s, sep):
+    """Split s at sep where it is outside every bracket."""
+    parts, depth, start, i = [], 0, 0, 0
+    while i < len(s):
+        c = s[i]
+        if c in "([{":
+            depth += 1
+        elif c in ")]}":
+            depth -= 1
+        elif depth == 0 and s.startswith(sep, i):
+            parts.append(s[start:i])
+            i += len(sep)
+            start = i
+            continue
+        i += 1
+    parts.append(s[start:])
+    return parts
+
+
+def _expand_pm(items):
+    """'1\\pm\\sqrt{19}' -> ['1+\\sqrt{19}', '1-\\sqrt{19}']."""
+    out = []
+    for x in items:
+        parts = _split_top(x, "\\pm")
+        out.extend([parts[0] + "+" + parts[1], parts[0] + "-" + parts[1]] if len(parts) == 2 else [x])
+    return [_unparen(_strip_lhs(x)) for x in out]
+
+
+_MATRIX_RE = re.compile(r"\\begin\{([pbvBV]?matrix)\}(.*)\\end\{\1\}", re.S)
+
+
+def _math_structure(s):
+    """(kind, elements): 'atom', a tuple/interval by its brackets '()' '(]' '[)' '[]', an
+    unordered 'list' / 'set' / 'union', a column vector 'vec' or 'matrix<r>x<c>'."""
+    parts = _split_top(s, "\\cup")
+    if len(parts) > 1:
+        return "union", parts
+    m = _MATRIX_RE.fullmatch(s)
+    if m:
+        rows = [r.split("&") for r in m.group(2).split("\\\\") if r.strip()]
+        if rows and all(len(r) == 1 for r in rows):
+            return "vec", [r[0] for r in rows]
+        return f"matrix{len(rows)}x{len(rows[0]) if rows else 0}", [c for r in rows for c in r]
+    if s.startswith("\\{") and s.endswith("\\}"):
+        return "set", _expand_pm(_split_top(s[2:-2], ","))
+    if s[:1] in "([" and s[-1:] in ")]" and _close_of(s, 0) == len(s) - 1:
+        items = _split_top(s[1:-1], ",")
+        if len(items) > 1:
+            return s[0] + s[-1], [_unparen(_strip_lhs(x)) for x in items]
+    items = _expand_pm(_split_top(s, ","))
+    return ("list", items) if len(items) > 1 else ("atom", [s])
+
+
+_UNORDERED = ("list", "set", "union")
+_SAME_KIND = ({"list", "set"}, {"()", "vec"})
+_PLAIN_NUMBER_RE = re.compile(r"[+-]?(?:\d+\.?\d*|\.\d+)|[+-]?\d+/\d+")
+_FRAC_RE = re.compile(r"([+-]?)(\d*)\\frac\{([+-]?\d+(?:\.\d+)?)\}\{(\d+(?:\.\d+)?)\}")
+
+
+def _as_fraction(s):
+    """An exact rational for a plain number: 27, 27.0, .5, 3/4, \\frac{3}{4}, -\\frac34, 1\\frac{4}{5}."""
+    try:
+        if _PLAIN_NUMBER_RE.fullmatch(s):
+            return Fraction(s)
+        m = _FRAC_RE.fullmatch(s)
+        if m:
+            sign, whole, a, b = m.groups()
+            v = Fraction(a) / Fraction(b) + (int(whole) if whole else 0)  # 1\frac{4}{5} is a mixed number
+            return -v if sign == "-" else v
+    except (ValueError, ZeroDivisionError):
+        pass
+    return None
+
+
+def math_equal(pred, ref):
+    """True when two final answers (either may be wrapped in \\boxed) are equivalent."""
+    try:
+        pred, ref = str(pred).strip(), str(ref).strip()
+        if pred == ref and pred:
+            return True
+        a, b = normalize_math_answer(pred), normalize_math_answer(ref)
+        if not a or not b:
+            return False
+        if len(a) > MAX_ANSWER_CHARS or len(b) > MAX_ANSWER_CHARS:
+            return a == b
+        return _math_equal_norm(a, b, 0)
+    except Exception:
+        return False
+
+
+def _math_equal_norm(a, b, depth):
+    if a == b:
+        return True
+    if depth > 3:
+        return False
+    fa, fb = _as_fraction(a), _as_fraction(b)
+    if fa is not None and fb is not None:
+        return fa == fb  # exact: 0.5 == 1/2, 27.0 == 27, but 0.33 != 1/3
+    ka, ea = _math_structure(a)
+    kb, eb = _math_structure(b)
+    if ka != "atom" or kb != "atom":
+        if not (ka == kb or any({ka, kb} <= k for k in _SAME_KIND)) or len(ea) != len(eb) or len(ea) > 32:
+            return False
+        if ka in _UNORDERED:  # solutions "1,-2" == "-2,1": greedy matching
+            left = list(eb)
+            for x in ea:
+                j = next((j for j, y in enumerate(left) if _math_equal_norm(x, y, depth + 1)), None)
+                if j is None:
+                    return False
+                del left[j]
+            return True
+        return all(_math_equal_norm(x, y, depth + 1) for x, y in zip(ea, eb))
+    if _is_word(a) or _is_word(b):  # "\text{Evelyn}": compare as text, never as e*v*e*l*y*n
+        return a.lower() == b.lower()
+    return _numeric_equal(a, b)
+
+
+def _is_word(s):
+    return _WORD_RE.search(_CMD_RE.sub(" ", s)) is not None
+
+
+# Symbolic equivalence: translate the (normalised) LaTeX into a small Python expression, parse it
+# with ast (never eval) and evaluate both sides at a few fixed points with complex arithmetic.
+# Overflow or a domain error at a point just skips that point.
+_MATH_FUNCS = {"sin": cmath.sin, "cos": cmath.cos, "tan": cmath.tan, "cot": lambda z: 1 / cmath.tan(z),
+               "sec": lambda z: 1 / cmath.cos(z), "csc": lambda z: 1 / cmath.sin(z), "arcsin": cmath.asin,
+               "arccos": cmath.acos, "arctan": cmath.atan, "sinh": cmath.sinh, "cosh": cmath.cosh,
+               "tanh": cmath.tanh, "ln": cmath.log, "log": cmath.log, "exp": cmath.exp, "sqrt": cmath.sqrt}
+_GREEK = {"alpha", "beta", "gamma", "delta", "epsilon", "varepsilon", "zeta", "eta", "theta", "kappa",
+          "lambda", "mu", "nu", "xi", "rho", "sigma", "tau", "phi", "varphi", "chi", "psi", "omega"}
+_SAMPLE_POINTS = (0.5772156649, 1.4142135623, 0.8346268416, 1.2020569031, 0.3183098861, 1.6180339887,
+                  0.9159655941, 0.6931471805, 1.7320508075, 0.2614972128, 1.3063778838)
+_DIGITS_RE = re.compile(r"\d+\.?\d*|\.\d+")
+
+
+def _latex_to_py(s):
+    """Python expression text for a LaTeX expression, or None when out of scope."""
+    out, i, prev = [], 0, False  # prev: the last token ends an operand (juxtaposition = product)
+
+    def operand(tok):
+        nonlocal prev
+        if prev:
+            out.append("*")
+        out.append(tok)
+        prev = True
+
+    while i < len(s):
+        c = s[i]
+        if c in "0123456789" or (c == "." and s[i + 1:i + 2].isdigit()):
+            m = _DIGITS_RE.match(s, i)
+            operand(repr(float(m.group())))
+            i = m.end()
+        elif c.isalpha():
+            operand({"e": "c_e", "i": "c_i"}.get(c, "v_" + c))
+            i += 1
+        elif c == "\\":
+            m = _CMD_RE.match(s, i)
+            if not m:
+                return None
+            name, i = m.group()[1:], m.end()
+            if name == "frac":
+                a, i = _read_arg(s, i)
+                b, i = _read_arg(s, i)
+                pa, pb = _latex_to_py(a), _latex_to_py(b)
+                if pa is None or pb is None:
+                    return None
+                operand(f"(({pa})/({pb}))")
+            elif name == "sqrt":
+                index = None
+                if s[i:i + 1] == "[":
+                    close = s.index("]", i)
+                    index, i = _latex_to_py(s[i + 1:close]), close + 1
+                a, i = _read_arg(s, i)
+                pa = _latex_to_py(a)
+                if pa is None:
+                    return None
+                operand(f"f_sqrt({pa})" if index is None else f"(({pa})**(1/({index})))")
+            elif name in ("cdot", "times", "div"):
+                out.append("/" if name == "div" else "*")
+                prev = False
+            elif name == "pi":
+                operand("c_pi")
+            elif name in _GREEK:
+                operand("v_" + name)
+            elif name in _MATH_FUNCS:
+                while s[i:i + 1] == " ":
+                    i += 1
+                if s[i:i + 1] == "(":
+                    operand("f_" + name)
+                    prev = False  # the "(" that follows is its argument list
+                else:
+                    a, i = _read_arg(s, i)
+                    pa = _latex_to_py(a)
+                    if pa is None:
+                        return None
+                    operand(f"f_{name}({pa})")
+            else:
+                return None
+        elif c in "+-*/":
+            out.append(c)
+            prev, i = False, i + 1
+        elif c == "^":
+            a, i = _read_arg(s, i + 1)
+            pa = _latex_to_py(a)
+            if pa is None or not out:
+                return None
+            out.append(f"**({pa})")
+            prev = True
+        elif c == "{":
+            a, i = _read_arg(s, i)
+            pa = _latex_to_py(a)
+            if pa is None:
+                return None
+            operand(f"({pa})")
+        elif c == "(":
+            operand("(")
+            prev, i = False, i + 1
+        elif c == ")":
+            out.append(")")
+            prev, i = True, i + 1
+        elif c == " ":
+            i += 1
+        else:
+            return None
+    return " ".join(out)
+
+
+def _eval_expr(node, env):
+    t = type(node)
+    if t is ast.Constant and type(node.value) in (int, float):
+        return complex(node.value)
+    if t is ast.Name:
+        return env[node.id]
+    if t is ast.UnaryOp and type(node.op) in (ast.USub, ast.UAdd):
+        v = _eval_expr(node.operand, env)
+        return -v if type(node.op) is ast.USub else v
+    if t is ast.BinOp:
+        a, b, op = _eval_expr(node.left, env), _eval_expr(node.right, env), type(node.op)
+        if op is ast.Add:
+            return a + b
+        if op is ast.Sub:
+            return a - b
+        if op is ast.Mult:
+            return a * b
+        if op is ast.Div:
+            return a / b
+        if op is ast.Pow:
+            return a ** b  # complex floats: OverflowError, never a huge integer
+    if t is ast.Call and type(node.func) is ast.Name and node.func.id[2:] in _MATH_FUNCS and len(node.args) == 1:
+        return _MATH_FUNCS[node.func.id[2:]](_eval_expr(node.args[0], env))
+    raise ValueError("unsupported expression")
+
+
+def _compile_expr(s):
+    """(ast, variable names) for a side of an (in)equation, or None."""
+    py = _latex_to_py(s)
+    if not py:
+        return None
+    tree = ast.parse(py, mode="eval").body
+    return tree, {n.id for n in ast.walk(tree) if type(n) is ast.Name and n.id.startswith("v_")}
+
+
+def _sample_values(trees, names):
+    """Each tree evaluated at 3 fixed points; None where any evaluation failed."""
+    names = sorted(names)
+    if len(names) > len(_SAMPLE_POINTS):
+        return None
+    rows = []
+    for p in range(3):
+        env = {"c_pi": cmath.pi, "c_e": cmath.e, "c_i": 1j}
+        env.update({n: _SAMPLE_POINTS[(k + 4 * p) % len(_SAMPLE_POINTS)] + 0.1 * p for k, n in enumerate(names)})
+        try:
+            vals = [_eval_expr(t, env) for t in trees]
+            rows.append(vals if all(cmath.isfinite(v) for v in vals) else None)
+        except (ArithmeticError, ValueError, KeyError, TypeError):
+            rows.append(None)
+    return rows
+
+
+def _close_num(x, y):
+    return abs(x - y) <= 1e-9 * max(abs(x), abs(y)) + 1e-12
+
+
+@functools.lru_cache(maxsize=1 << 14)
+def _numeric_equal(a, b):
+    try:
+        sides_a, sides_b = _split_top(a, "="), _split_top(b, "=")
+        if len(sides_a) != len(sides_b) or len(sides_a) > 2:
+            return False
+        parsed = [_compile_expr(x) for x in sides_a + sides_b]
+        if any(p is None for p in parsed):
+            return False
+        names = set().union(*(p[1] for p in parsed))
+        rows = [r for r in _sample_values([p[0] for p in parsed], names) or [] if r is not None]
+        if len(rows) < 2:
+            return False
+        if len(sides_a) == 1:
+            return all(_close_num(r[0], r[1]) for r in rows)
+        # equations: equivalent when lhs - rhs are proportional ("5x-7y=3" == "14y-10x=-6")
+        diffs = [(r[0] - r[1], r[2] - r[3]) for r in rows]
+        if any(abs(d2) < 1e-12 for _, d2 in diffs):
+            return all(abs(d1) < 1e-12 and abs(d2) < 1e-12 for d1, d2 in diffs)
+        ratios = [d1 / d2 for d1, d2 in diffs]
+        return abs(ratios[0]) > 1e-12 and all(_close_num(q, ratios[0]) for q in ratios)
+    except (ValueError, SyntaxError, RecursionError, MemoryError, ArithmeticError, TypeError):
+        return False
+
+
+# --- multiple choice -----------------------------------------------------------------------------
+
+_LETTER_RE = re.compile(r"[\s(\[{*]*([A-Za-z])[\s)\]}*.:]*")
+_ANSWER_IS_RE = re.compile(r"(?i:answer)[\s*:]*(?:(?i:is)[\s*:]*)?\(?([A-Z])\)?(?![A-Za-z0-9])")
+
+
+def _answer_is_letter(text):
+    """The letter of the last "the answer is (X)" near the end of text, or None."""
+    m = None
+    for m in _ANSWER_IS_RE.finditer(text[-3000:]):
+        pass
+    return m.group(1) if m else None
+
+
+def _mcq_letter(s):
+    m = _LETTER_RE.fullmatch(_unwrap_cmds(s.strip(), _TEXT_CMD_RE)) if s is not None and len(s) < 100 else None
+    return m.group(1).upper() if m else None
+
+
+def check_mcq(response, answer):
+    ref = _mcq_letter(answer) or answer.strip().upper()
+    content, status = _last_tag(response)
+    if status == "unclosed":
+        return 0.0, TRUNCATED_FEEDBACK
+    if status == "ok":
+        got = _mcq_letter(content)
+        if got is None:
+            return 0.0, "The answer must be a single letter inside <answer></answer>."
+    else:
+        boxed, status = _last_boxed(response)
+        if status == "unclosed":
+            return 0.0, TRUNCATED_FEEDBACK
+        got = _mcq_letter(boxed) if boxed is not None else None
+        if got is None:
+            got = _answer_is_letter(response)
+        if got is None:
+            return 0.0, "No final answer found: put the letter of your choice inside <answer></answer>."
+    if got == ref:
+        return 1.0, None
+    return 0.0, f"Your final answer {got} is wrong."
+
+
+# --- exact (toy suite) ---------------------------------------------------------------------------
+
+def check_exact(response, answer):
+    got, status = _last_tag(response)
+    if status == "unclosed":
+        return 0.0, TRUNCATED_FEEDBACK
+    if status == "none":
+        return 0.0, "No final answer found: put it inside <answer></answer>."
+    if got == answer.strip():
+        return 1.0, None
+    if not got:
+        return 0.0, "The <answer></answer> tags are empty."
+    return 0.0, f"Your final answer {_clip_text(got)} is wrong."
+
+
+# --- tool use (ReAct) ----------------------------------------------------------------------------
+
+_ACTION_RE = re.compile(r"^[ \t*]*Action[ \t*]*:[ \t*]*(.*)$", re.M)  # "Action Input:" does not match
+_INPUT_RE = re.compile(r"Action[ \t*]*Input[ \t*]*:[ \t*]*\s*")
+_JSON_DECODER = json.JSONDecoder()
+
+
+def _json_dict(value):
+    if isinstance(value, str):  # the reference stores Action_Input as a JSON string
+        try:
+            value = json.loads(value) if value.strip() else {}
+        except ValueError:
+            return {}
+    return value if isinstance(value, dict) else {}
+
+
+def _parse_tool_calls(text):
+    """([(action name, input dict)], truncated): every Action with its Action Input."""
+    text = text[:TOOL_CHARS]
+    matches = []
+    for m in _ACTION_RE.finditer(text):
+        matches.append(m)
+        if len(matches) >= MAX_TOOL_CALLS:
+            break
+    calls, truncated = [], False
+    for k, m in enumerate(matches):
+        name = m.group(1).split("Action Input")[0].strip().strip("`*\"' ")
+        end = matches[k + 1].start() if k + 1 < len(matches) else len(text)
+        im = _INPUT_RE.search(text, m.start(), end)
+        args = {}
+        if im:
+            try:
+                args = _json_dict(_JSON_DECODER.raw_decode(text, im.end())[0])
+            except (ValueError, RecursionError):
+                seg = text[im.end():end]
+                truncated = k == len(matches) - 1 and seg.count("{") > seg.count("}")
+        calls.append((name, args))
+    return calls, truncated
+
+
+def _same_json(a, b):
+    """JSON equality that tells the types apart: Python's == says True == 1, a tool call does not."""
+    if isinstance(a, bool) or isinstance(b, bool):
+        return type(a) is type(b) and a == b
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same_json(a[k], b[k]) for k in a)
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(map(_same_json, a, b))
+    return a == b
+
+
+@functools.lru_cache(maxsize=4096)
+def _tool_reference(answer):
+    ref = json.loads(answer)
+    ref = [ref] if isinstance(ref, dict) else ref
+    names, merged = [], {}
+    for item in ref:
+        names.append(str(item.get("Action", "")).strip())
+        merged.update(_json_dict(item.get("Action_Input", item.get("Action Input", {}))))
+    return tuple(names), json.dumps(merged, sort_keys=True)
+
+
+def check_tool(response, answer):
+    ref_names, ref_merged = _tool_reference(answer)
+    ref_merged = json.loads(ref_merged)
+    calls, truncated = _parse_tool_calls(response)
+    names = [n for n, _ in calls]
+    merged = {}
+    for _, args in calls:
+        merged.update(args)
+    if calls and Counter(names) == Counter(ref_names) and _same_json(merged, ref_merged):
+        return 1.0, None
+    if truncated:
+        return 0.0, TRUNCATED_FEEDBACK
+    if not calls:
+        return 0.0, "No tool call found: write 'Action: <tool name>' then 'Action Input: <JSON object>'."
+    if Counter(names) != Counter(ref_names):
+        called = _clip_text(", ".join(names), 200)
+        return 0.0, f"Action names do not match the tool calls the question needs (you called: {called})."
+    missing = sorted(set(ref_merged) - set(merged))
+    extra = sorted(set(merged) - set(ref_merged))
+    wrong = sorted(k for k in set(merged) & set(ref_merged) if not _same_json(merged[k], ref_merged[k]))
+    parts = [f"{what}: {', '.join(map(str, keys))}" for what, keys in
+             (("missing arguments", missing), ("unexpected arguments", extra), ("wrong values for", wrong)) if keys]
+    return 0.0, _clip_text("The Action Input arguments do not match (" + "; ".join(parts) + ").", 300)
