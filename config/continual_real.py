@@ -5,7 +5,7 @@
 #   python train.py config/continual_real.py --algo=grpo --out_dir=out/continual_real_grpo
 out_dir = "out/continual_real"
 init_from = "Qwen/Qwen3-4B"  # Qwen3-8B's fp32 weights + grads + AdamW + teacher (164 GB) fit no single GPU
-gen_batch_size = 32  # rows decoded at once: bounds the KV cache (python tests/memory_estimate.py: ~104 GB peak)
+gen_batch_size = 32  # rows decoded at once: bounds the KV cache (python tests/memory_estimate.py --config=config/continual_real.py: ~116 GB peak)
 grad_checkpointing = True
 algo = "sdpo"
 stages = "dapo_math:100,sciknoweval/biology+sciknoweval/chemistry+sciknoweval/material+sciknoweval/physics:100,tooluse:100"

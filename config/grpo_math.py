@@ -3,7 +3,7 @@
 #   python train.py config/grpo_math.py
 out_dir = "out/grpo_math"
 init_from = "Qwen/Qwen3-4B"  # Qwen3-8B's fp32 weights + grads + AdamW + teacher (164 GB) fit no single GPU
-gen_batch_size = 32  # rows decoded at once: bounds the KV cache (python tests/memory_estimate.py --teacher=none: ~86 GB peak)
+gen_batch_size = 32  # rows decoded at once: bounds the KV cache (python tests/memory_estimate.py --config=config/grpo_math.py: ~89 GB peak)
 grad_checkpointing = True
 algo = "grpo"
 dataset = "dapo_math"

@@ -4,7 +4,7 @@
 #   python train.py config/sdpo_math.py --density=0.5
 out_dir = "out/sdpo_math"
 init_from = "Qwen/Qwen3-4B"  # Qwen3-8B's fp32 weights + grads + AdamW + teacher (164 GB) fit no single GPU
-gen_batch_size = 32  # rows decoded at once: bounds the KV cache (python tests/memory_estimate.py: ~104 GB peak)
+gen_batch_size = 32  # rows decoded at once: bounds the KV cache (python tests/memory_estimate.py --config=config/sdpo_math.py: ~116 GB peak)
 grad_checkpointing = True
 algo = "sdpo"
 dataset = "dapo_math"

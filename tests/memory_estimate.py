@@ -1,26 +1,57 @@
-"""Arithmetic, not a measurement: the GPU memory a full-scale run needs, from the model's
-architecture (published Qwen3 config.json values, built on the meta device to count parameters
-exactly) and the run's settings. No GPU and no download needed.
+"""Arithmetic, not a measurement: the GPU memory (per rank) a full-scale run needs, from the
+model's architecture (published Qwen3 config.json values, built on the meta device to count
+parameters exactly) and the run's settings. No GPU and no download needed.
 
-    python tests/memory_estimate.py                                  # config/sdpo_math.py's settings
-    python tests/memory_estimate.py --model=qwen3-8b
-    python tests/memory_estimate.py --gen_batch_size=0 --eval_n=16   # one eval batch decoded at once
+    python tests/memory_estimate.py                                   # config/sdpo_math.py (the default --config)
+    python tests/memory_estimate.py --config=config/sdpo_gsm8k.py     # a shipped config, as train.py reads it
+    python tests/memory_estimate.py --config=config/sdpo_gsm8k.py --init_from=Qwen/Qwen3-0.6B --gen_batch_size=32
+    python tests/memory_estimate.py --config=config/grpo_math.py --world_size=8    # one rank under torchrun
+    python tests/memory_estimate.py --model=qwen3-8b                  # another architecture, the config's settings
+
+Settings: train.py's defaults, then the --config file, then any train.py --key=value, all through
+configurator.py exactly as `python train.py config/x.py --key=value` applies them. The model is
+the ARCH entry the config's init_from names ("Qwen/Qwen3-1.7B" -> qwen3-1.7b) unless --model is
+given. Estimate-only flags: --model, --world_size (DDP ranks; default 1), --prompt_tokens (the
+longest prompt), --teacher_prompt_tokens (the longest teacher prompt; default: the prompt + a
+max_new_tokens demonstration + 64 template tokens, at most max_reprompt_len; with use_feedback,
+max_reprompt_len).
 
 Counted: fp32 weights, fp32 grads, AdamW's two fp32 moments, the fp32 teacher copy (SDPO with an
-EMA or frozen teacher) and the initial-model copy (frozen / trust-region teacher, or a KL
-reference); the bf16 KV cache of one generate call (rows x (prompt + max_new_tokens)) and of one
-teacher forward (micro_batch_size rows x (teacher prompt + response)); with grad_checkpointing=True
-(assumed: without it every block's intermediates are kept, several times more), the fp32 hidden
-state saved at every block boundary for one micro-batch. Not counted: the activations of the one
-block being recomputed, the fused loss's [loss_chunk, vocab] buffers, CUDA context and allocator
-slack (budget ~10 %). The last line printed is one JSON object.
+EMA or frozen teacher) and the initial-model copy (frozen / trust-region teacher, a KL reference,
+teacher_stage_reset='initial') -- the training state, held throughout. On top of it, the largest
+of three phases that never overlap:
+  generation  the bf16 KV cache of one generate call (rollout or eval: whole groups, at most
+              gen_batch_size rows);
+  train step  one micro-batch: the teacher forward's bf16 KV cache (teacher prompt + response;
+              freed before the student forward, counted anyway: it covers allocator slack), the
+              teacher hidden states the loss reads, the student's saved activations (with
+              grad_checkpointing the fp32 block inputs + one block's recomputed activations,
+              without it every block's), the fused loss's buffers (3 [chunk, vocab] fp32 buffers,
+              chunk = loss_chunk but at least 1024, the chunk on CUDA; a bf16 LM-head weight copy;
+              an fp32 LM-head gradient accumulator) and, with several ranks, one gradient
+              all-reduce bucket (at most 2**24 fp32 elements);
+  optimizer   foreach AdamW's sqrt(v) temporary: one more fp32 value per parameter.
+A block's activations are an approximation (autocast bf16 matmul inputs/outputs, the fp32
+residual stream and norms). Not counted: CUDA context, allocator fragmentation (budget ~10 %:
+"needs" = peak / 0.9), the sampling logits, prefill transients. The last line printed is one
+JSON object.
 """
 import argparse
+import functools
 import json
+import os
+import sys
 
 import torch
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+import train  # noqa: E402
+from configurator import configure  # noqa: E402
+
 ARCH = {  # from each model's config.json on the hub
+    "qwen3-0.6b": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
+                       num_key_value_heads=8, head_dim=128, tie_word_embeddings=True),
     "qwen3-1.7b": dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
                        num_key_value_heads=8, head_dim=128, tie_word_embeddings=True),
     "qwen3-4b": dict(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32,
@@ -28,64 +59,170 @@ ARCH = {  # from each model's config.json on the hub
     "qwen3-8b": dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
                      num_key_value_heads=8, head_dim=128, tie_word_embeddings=False),
 }
+VOCAB = 151936
 GB = 1e9
+CUDA_LOSS_CHUNK = 1024  # the fused loss's chunk on CUDA
+BUCKET = 2 ** 24  # fp32 elements in one gradient all-reduce bucket (64 MiB)
+TEMPLATE_TOKENS = 64  # chat template + reprompt / solution templates around the demonstration
+SLACK = 0.9  # the fraction of a GPU the estimate may fill (CUDA context, fragmentation)
 
 
+@functools.lru_cache(maxsize=None)
 def count_params(name):
     from transformers import Qwen3Config, Qwen3ForCausalLM
     with torch.device("meta"):
-        model = Qwen3ForCausalLM(Qwen3Config(vocab_size=151936, **ARCH[name]))
+        model = Qwen3ForCausalLM(Qwen3Config(vocab_size=VOCAB, **ARCH[name]))
     return sum(p.numel() for p in model.parameters())
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", choices=sorted(ARCH), default="qwen3-4b")
-    ap.add_argument("--teacher", choices=["ema", "frozen", "trust_region", "live", "none"], default="ema",
-                    help="'none' for GRPO")
-    ap.add_argument("--kl_coef", type=float, default=0.0)
-    ap.add_argument("--batch_prompts", type=int, default=32)
-    ap.add_argument("--group_size", type=int, default=8)
-    ap.add_argument("--eval_n", type=int, default=16)
-    ap.add_argument("--gen_batch_size", type=int, default=32, help="rows per generate call (0 = a whole batch)")
-    ap.add_argument("--prompt_tokens", type=int, default=512, help="longest prompt")
-    ap.add_argument("--max_new_tokens", type=int, default=4096)
-    ap.add_argument("--teacher_prompt_tokens", type=int, default=4096, help="longest teacher prompt (prompt + demonstration)")
-    ap.add_argument("--micro_batch_size", type=int, default=8)
-    args = ap.parse_args()
+def arch_of(init_from):
+    """'Qwen/Qwen3-1.7B' -> 'qwen3-1.7b' (None when init_from names no ARCH entry)."""
+    name = init_from.rstrip("/").rsplit("/", 1)[-1].lower()
+    return name if name in ARCH else None
 
-    a = ARCH[args.model]
-    n = count_params(args.model)
-    kv_per_token = a["num_hidden_layers"] * 2 * a["num_key_value_heads"] * a["head_dim"] * 2  # K and V, bf16
-    train_rows = args.batch_prompts * args.group_size
-    eval_rows = args.batch_prompts * args.group_size // args.eval_n * args.eval_n  # the loop's eval chunk
-    gen_rows = min(args.gen_batch_size or max(train_rows, eval_rows), max(train_rows, eval_rows))
-    seq = args.prompt_tokens + args.max_new_tokens
-    copies = {"ema": 1, "frozen": 2, "trust_region": 1, "live": 0, "none": 0}[args.teacher]  # frozen: teacher = initial, kept once each
-    copies = copies + (1 if args.kl_coef > 0 and args.teacher in ("ema", "live", "none") else 0)
+
+def block_activation_bytes(a):
+    """Approximate bytes one decoder block keeps for its backward, per token (autocast bf16)."""
+    H, I = a["hidden_size"], a["intermediate_size"]
+    q, kv = a["num_attention_heads"] * a["head_dim"], a["num_key_value_heads"] * a["head_dim"]
+    fp32 = 4 * H + q + kv  # the two RMSNorms' input and normalised output; q/k norm inputs
+    bf16 = 5 * H + 3 * q + 3 * kv + 4 * I  # linear inputs (one autocast cast per call), q/k norm outputs,
+    return 4 * fp32 + 2 * bf16  # attention inputs (v as is) and output, gate / act / up / product
+
+
+def estimate(cfg, model, world_size=1, prompt_tokens=512, teacher_prompt_tokens=None):
+    """(rows, summary): rows are (key, label, bytes, phase) with phase 'state', 'generation',
+    'train step' or 'optimizer'; summary has the state, the phases' totals and the peak (bytes)."""
+    a, n = ARCH[model], count_params(model)
+    H, L = a["hidden_size"], a["num_hidden_layers"]
+    kv_per_token = L * 2 * a["num_key_value_heads"] * a["head_dim"] * 2  # K and V, bf16
+    algo, teacher, G, n_eval = cfg["algo"], cfg["teacher"], cfg["group_size"], cfg["eval_n"]
+    sdpo = algo == "sdpo"
+    if cfg["batch_prompts"] % world_size:
+        raise SystemExit(f"error: batch_prompts={cfg['batch_prompts']} is not divisible by world_size={world_size}")
+    rank_prompts = cfg["batch_prompts"] // world_size
+
+    # the training state: what train.main builds
+    needs_initial = (algo != "sft" and cfg["kl_coef"] > 0) or (sdpo and (
+        teacher in ("frozen", "trust_region") or cfg["teacher_stage_reset"] == "initial"))
+    copies = int(needs_initial) + int(sdpo and teacher in ("frozen", "ema"))
+
+    # generation: generate() decodes whole groups, at most gen_batch_size rows (at least one group)
+    def rows_per_call(prompts, group):
+        per_call = max(1, cfg["gen_batch_size"] // group) if cfg["gen_batch_size"] > 0 else prompts
+        return min(prompts, per_call) * group
+    train_rows = rows_per_call(rank_prompts, G) if algo != "sft" else 0
+    eval_rows = rows_per_call(max(1, cfg["batch_prompts"] * G // n_eval), n_eval)  # train.main's eval chunk
+    gen_rows = max(train_rows, eval_rows)
+    seq = prompt_tokens + cfg["max_new_tokens"]
+    gen_kind = "rollout" if train_rows >= eval_rows else f"eval, eval_n={n_eval}"
+
+    # one micro-batch of the train step
+    micro = min(cfg["micro_batch_size"], rank_prompts * G)
+    resp_tokens = micro * cfg["max_new_tokens"]  # rows of the fused loss
+    if teacher_prompt_tokens is None:
+        demo = prompt_tokens + cfg["max_new_tokens"] + TEMPLATE_TOKENS
+        teacher_prompt_tokens = cfg["max_reprompt_len"] if cfg["use_feedback"] else min(cfg["max_reprompt_len"], demo)
+    t_seq = teacher_prompt_tokens + cfg["max_new_tokens"]
+    block = block_activation_bytes(a)
+    if cfg["grad_checkpointing"]:
+        acts = [("activations", f"student: fp32 block inputs x {L} + one block recomputed (approx.), {micro} rows x {seq}",
+                 micro * seq * (4 * H * L + block))]
+    else:
+        acts = [("activations", f"student: every block's activations (approx., no grad_checkpointing), {micro} rows x {seq}",
+                 micro * seq * block * L)]
+    if cfg["fused_loss"]:
+        chunk = min(max(cfg["loss_chunk"], CUDA_LOSS_CHUNK), resp_tokens)
+        loss = [("fused_loss", f"fused loss: 3 x [{chunk}, {VOCAB}] fp32 + LM head bf16 copy + fp32 grad accumulator",
+                 3 * chunk * VOCAB * 4 + VOCAB * H * (2 + 4))]
+    else:
+        loss = [("full_logits", f"full logits (fused_loss=False): {3 + sdpo} x [{resp_tokens}, {VOCAB}] fp32",
+                 (3 + sdpo) * resp_tokens * VOCAB * 4)]
     rows = [
-        ("weights (fp32)", 4 * n),
-        ("grads (fp32)", 4 * n),
-        ("AdamW moments (fp32)", 8 * n),
-        (f"teacher / reference copies (fp32) x{copies}", 4 * n * copies),
-        (f"KV cache, one generate call: {gen_rows} rows x {seq} tokens", gen_rows * seq * kv_per_token),
-        (f"KV cache, one teacher forward: {args.micro_batch_size} rows x "
-         f"{args.teacher_prompt_tokens + args.max_new_tokens} tokens",
-         0 if args.teacher == "none" else args.micro_batch_size * (args.teacher_prompt_tokens + args.max_new_tokens) * kv_per_token),
-        (f"block-boundary activations (fp32): {args.micro_batch_size} rows x {seq} tokens",
-         args.micro_batch_size * seq * a["hidden_size"] * 4 * a["num_hidden_layers"]),
+        ("weights", "weights (fp32)", 4 * n, "state"),
+        ("grads", "grads (fp32)", 4 * n, "state"),
+        ("adamw", "AdamW moments (fp32)", 8 * n, "state"),
+        ("copies", f"teacher / reference copies (fp32) x{copies}", 4 * n * copies, "state"),
+        ("kv_generate", f"KV cache, one generate call ({gen_kind}): {gen_rows} rows x {seq} tokens",
+         gen_rows * seq * kv_per_token, "generation"),
+        ("kv_teacher", f"KV cache, one teacher forward: {micro} rows x {t_seq} tokens" if sdpo
+         else f"KV cache, one teacher forward: none (algo={algo})", micro * t_seq * kv_per_token if sdpo else 0,
+         "train step"),
+        ("teacher_hidden", f"teacher hidden states for the loss (fp32): {resp_tokens} tokens" if sdpo
+         else f"teacher hidden states: none (algo={algo})",
+         resp_tokens * H * 4 * (2 if teacher == "trust_region" else 1) if sdpo else 0, "train step"),
+        *[(k, label, b, "train step") for k, label, b in acts + loss],
+        ("ddp_bucket", f"gradient all-reduce bucket (fp32): {min(BUCKET, n)} elements, world_size={world_size}"
+         if world_size > 1 else "gradient all-reduce bucket: none (world_size=1)",
+         4 * min(BUCKET, n) if world_size > 1 else 0, "train step"),
+        ("adamw_step", "optimizer step: foreach AdamW's sqrt(v) temporary (fp32)", 4 * n, "optimizer"),
     ]
-    # generation and the student backward do not overlap: the peak is the state plus the larger of the two
-    state = sum(b for label, b in rows[:4])
-    phase = max(rows[4][1], sum(b for _, b in rows[5:]))
-    print(f"{args.model}: {n / 1e9:.2f}B parameters; KV cache {kv_per_token / 1e6:.3f} MB per token (bf16)")
-    for label, b in rows:
-        print(f"  {label:<72}{b / GB:>8.1f} GB")
-    print(f"  {'training state (weights, grads, AdamW, copies)':<72}{state / GB:>8.1f} GB")
-    print(f"  {'peak estimate: state + max(generation, teacher + student)':<72}{(state + phase) / GB:>8.1f} GB")
-    print(json.dumps({"model": args.model, "params": n, "state_gb": round(state / GB, 1),
-                      "peak_gb": round((state + phase) / GB, 1), "gen_rows": gen_rows,
-                      "kv_cache_gen_gb": round(rows[4][1] / GB, 1), "settings": vars(args)}))
+    phases = {p: sum(b for _, _, b, q in rows if q == p) for p in ("state", "generation", "train step", "optimizer")}
+    peak = phases["state"] + max(phases["generation"], phases["train step"], phases["optimizer"])
+    summary = dict(params=n, kv_per_token=kv_per_token, gen_rows=gen_rows, micro_rows=micro,
+                   teacher_prompt_tokens=teacher_prompt_tokens, phases=phases, peak=peak,
+                   peak_phase=max(("generation", "train step", "optimizer"), key=phases.get))
+    return rows, summary
+
+
+def load_config(config, overrides):
+    """train.py's defaults, then the config file, then --key=value: configurator.py, as train.py does."""
+    argv = []
+    if config:
+        argv.append(config if os.path.exists(config) else os.path.join(ROOT, config))
+    return configure(dict(vars(train)), argv + list(overrides), train.__file__)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 epilog="Any of train.py's --key=value settings is accepted too (python train.py --help).")
+    ap.add_argument("--config", default="config/sdpo_math.py", help="a config file ('' = train.py's defaults)")
+    ap.add_argument("--model", choices=sorted(ARCH), default=None, help="default: the ARCH entry init_from names")
+    ap.add_argument("--world_size", type=int, default=1, help="DDP ranks (>1 adds one gradient all-reduce bucket)")
+    ap.add_argument("--prompt_tokens", type=int, default=512, help="longest prompt")
+    ap.add_argument("--teacher_prompt_tokens", type=int, default=None,
+                    help="longest teacher prompt (default: prompt + max_new_tokens + 64, at most max_reprompt_len)")
+    args, overrides = ap.parse_known_args(argv)
+    cfg = load_config(args.config, overrides)
+    try:
+        train.check_config(cfg)
+    except train.UserError as e:
+        raise SystemExit(f"error: {e}") from None
+    model = args.model or arch_of(cfg["init_from"])
+    if model is None:
+        raise SystemExit(f"error: init_from={cfg['init_from']!r} names no Qwen3 model in ARCH "
+                         f"({', '.join(sorted(ARCH))}): pass --model=")
+    rows, s = estimate(cfg, model, args.world_size, args.prompt_tokens, args.teacher_prompt_tokens)
+    state, peak = s["phases"]["state"], s["peak"]
+
+    print(f"memory estimate -- arithmetic, not a measurement -- per rank, {args.config or 'train.py defaults'}"
+          + (f" {' '.join(overrides)}" if overrides else ""))
+    print(f"{model}: {s['params'] / 1e9:.3f}B parameters; KV cache {s['kv_per_token'] / 1e6:.3f} MB per token (bf16); "
+          f"algo={cfg['algo']}" + (f", teacher={cfg['teacher']}" if cfg["algo"] == "sdpo" else "")
+          + f", gen_batch_size={cfg['gen_batch_size']}, micro_batch_size={cfg['micro_batch_size']}, "
+            f"grad_checkpointing={cfg['grad_checkpointing']}, world_size={args.world_size}")
+    width = 100
+    for phase in ("state", "generation", "train step", "optimizer"):
+        print(f"  [{phase}]")
+        for _, label, b, p in rows:
+            if p == phase:
+                print(f"    {label:<{width - 4}}{b / GB:>7.1f} GB")
+    print(f"  {'training state (weights, grads, AdamW, copies)':<{width - 2}}{state / GB:>7.1f} GB")
+    print(f"  {'peak estimate: state + max(generation, train step, optimizer) -- ' + s['peak_phase']:<{width - 2}}"
+          f"{peak / GB:>7.1f} GB")
+    print(f"  {'needs a GPU of at least (peak / 0.9: CUDA context, fragmentation)':<{width - 2}}{peak / SLACK / GB:>7.1f} GB")
+    print(json.dumps({
+        "estimate": "arithmetic, not a measurement", "config": args.config, "overrides": overrides, "model": model,
+        "init_from": cfg["init_from"], "params": s["params"], "world_size": args.world_size,
+        "rows_gb": {k: round(b / GB, 2) for k, _, b, _ in rows},
+        "state_gb": round(state / GB, 1), "phases_gb": {k: round(v / GB, 1) for k, v in s["phases"].items() if k != "state"},
+        "peak_gb": round(peak / GB, 1), "peak_phase": s["peak_phase"], "needs_gb": round(peak / SLACK / GB, 1),
+        "gen_rows": s["gen_rows"], "micro_rows": s["micro_rows"], "kv_cache_gen_gb": round(rows[4][2] / GB, 1),
+        "settings": {"prompt_tokens": args.prompt_tokens, "teacher_prompt_tokens": s["teacher_prompt_tokens"],
+                     **{k: cfg[k] for k in ("algo", "teacher", "kl_coef", "batch_prompts", "group_size", "eval_n",
+                                            "gen_batch_size", "micro_batch_size", "grad_checkpointing", "max_new_tokens",
+                                            "max_reprompt_len", "fused_loss", "loss_chunk")}},
+    }))
 
 
 if __name__ == "__main__":

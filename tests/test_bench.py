@@ -33,10 +33,59 @@ def test_bench_loss_runs_and_fused_matches_naive():
     assert out["max_abs_grad_diff"] < 1e-5
 
 
-def test_memory_estimate_counts_the_published_sizes():
-    """Qwen3-4B / 8B parameter counts built on the meta device (no download), and the state they imply."""
-    for model, params in (("qwen3-4b", 4.02e9), ("qwen3-8b", 8.19e9)):
-        out = run_script("tests/memory_estimate.py", f"--model={model}")
+def estimate(capsys, *argv):
+    """tests/memory_estimate.py in this process (transformers and train.py imported once): its JSON."""
+    import memory_estimate
+    memory_estimate.main(list(argv))
+    return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+
+def test_memory_estimate_counts_the_published_sizes(capsys):
+    """Qwen3 parameter counts built on the meta device (no download), and the state they imply
+    (the default config, sdpo_math.py: an EMA teacher); the script runs as a script."""
+    for model, params in (("qwen3-0.6b", 0.596e9), ("qwen3-1.7b", 1.72e9), ("qwen3-4b", 4.02e9), ("qwen3-8b", 8.19e9)):
+        out = run_script("tests/memory_estimate.py", f"--model={model}") if model == "qwen3-4b" else \
+            estimate(capsys, f"--model={model}")
         assert abs(out["params"] - params) / params < 0.005
         assert out["state_gb"] == round(out["params"] * (4 + 4 + 8 + 4) / 1e9, 1)  # weights, grads, AdamW, EMA teacher
         assert out["peak_gb"] > out["state_gb"]
+
+
+def test_memory_estimate_reads_a_config_and_the_gsm8k_rung_fits_one_gpu(capsys):
+    """--config reads a shipped config as train.py does (flags override it); the GSM8K configs fit
+    an 80 GB GPU on Qwen3-1.7B and, with the overrides their comments give, 24 GB on Qwen3-0.6B,
+    with the 10 % the estimate leaves for CUDA context and fragmentation."""
+    small = ["--init_from=Qwen/Qwen3-0.6B", "--gen_batch_size=32", "--micro_batch_size=8"]
+    for config in ("config/sdpo_gsm8k.py", "config/grpo_gsm8k.py"):
+        big = estimate(capsys, f"--config={config}")
+        assert big["model"] == "qwen3-1.7b" and big["settings"]["max_new_tokens"] == 1024
+        assert big["needs_gb"] <= 80 and big["peak_gb"] <= 0.9 * 80
+        out = estimate(capsys, f"--config={config}", *small)
+        assert out["model"] == "qwen3-0.6b" and out["settings"]["gen_batch_size"] == 32  # the flags win
+        assert out["needs_gb"] <= 24
+        with open(os.path.join(ROOT, config)) as f:
+            assert " ".join(small) in f.read()  # the config's comment gives these overrides
+    sdpo = estimate(capsys, "--config=config/sdpo_gsm8k.py")
+    assert sdpo["settings"]["algo"] == "sdpo" and sdpo["rows_gb"]["kv_teacher"] > 0
+    assert big["settings"]["algo"] == "grpo" and big["rows_gb"]["kv_teacher"] == 0 and big["rows_gb"]["copies"] == 0
+    # the fused loss's buffers; a bucket per rank only with DDP; no checkpointing: every block's activations
+    assert sdpo["rows_gb"]["fused_loss"] > 0 and sdpo["rows_gb"]["ddp_bucket"] == 0
+    ddp = estimate(capsys, "--config=config/sdpo_gsm8k.py", "--world_size=8")
+    assert ddp["rows_gb"]["ddp_bucket"] == round(2 ** 24 * 4 / 1e9, 2)
+    full = estimate(capsys, "--config=config/sdpo_gsm8k.py", "--grad_checkpointing=False")
+    assert full["rows_gb"]["activations"] > 5 * sdpo["rows_gb"]["activations"]
+
+
+def test_every_shipped_qwen3_config_gets_an_estimate(capsys):
+    from configurator import configure
+    import train
+    configs = sorted(f for f in os.listdir(os.path.join(ROOT, "config")) if f.endswith(".py"))
+    named = []
+    for f in configs:
+        init_from = configure(dict(vars(train)), [os.path.join(ROOT, "config", f)], train.__file__)["init_from"]
+        if init_from.startswith("Qwen/Qwen3-"):
+            out = estimate(capsys, f"--config=config/{f}")
+            assert out["init_from"] == init_from and out["model"] == init_from.split("/")[1].lower()
+            assert out["peak_gb"] > out["state_gb"] > 0
+            named.append(f)
+    assert {"sdpo_gsm8k.py", "grpo_gsm8k.py", "sdpo_math.py", "grpo_math.py", "continual_real.py"} <= set(named)
