@@ -524,7 +524,7 @@ def load(init, run_cfg, dev):
     """train.load_model with the run's config (needed to rebuild init_from='scratch')."""
     if init == "scratch" and not run_cfg:
         raise train.UserError("base_model='scratch' needs run_dir (its config rebuilds the initial weights)")
-    model_, tokenizer = train.load_model(init, run_cfg or {}, dev, torch.float32)
+    model_, tokenizer = train.load_model(init, run_cfg or {}, dev)
     model_.eval()
     return model_, tokenizer
 

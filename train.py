@@ -65,7 +65,6 @@ Simplifications, on purpose:
 import contextlib
 import copy
 import functools
-import inspect
 import itertools
 import json
 import math
@@ -81,12 +80,12 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, load_model as load_weights, save_file, save_model
 from tqdm import tqdm
-from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, Qwen2Config, Qwen2ForCausalLM, StaticCache
+from transformers import DynamicCache, StaticCache
 
 from data import checkers
-
-# transformers renamed the forward's KV-cache argument from past_key_values to cache (5.2x)
-CACHE = "cache" if "cache" in inspect.signature(Qwen2ForCausalLM.forward).parameters else "past_key_values"
+import models
+from models import (CACHE, ModelError, body_forward, context_length, decoder_body, has_chat_template, lm_head,
+                    prompt_ids, stop_token_ids, takes_position_ids)
 
 # ----------------------------------------------------------------------------- defaults
 # Every line `name = value  # help` below is a config key: config files and --name=value
@@ -286,13 +285,6 @@ def check_task(task, where, need_solution):
         raise UserError(f"{where}: algo=sft needs a 'solution' (the reference response) in every training task")
 
 
-def prompt_ids(tokenizer, messages, enable_thinking=False):
-    """Chat-template a prompt (with the assistant generation prefix) to token ids."""
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
-                                         enable_thinking=enable_thinking)
-    return tokenizer.encode(text, add_special_tokens=False)
-
-
 # ----------------------------------------------------------------------------- reward
 # The contract: reward(kind, response, answer) -> (score in [0, 1], feedback str or None), never
 # raises, bounded time on any string. `kind` picks the checker; feedback (None on success) is
@@ -406,16 +398,16 @@ def decode(model, prompts, *, group_size, max_new_tokens, temperature, top_p, eo
     stop_check = stop_check or (1 if dev.type == "cpu" else 8)
     eos = torch.as_tensor(eos_ids, device=dev)
     ids, mask = (t.to(dev) for t in pad_batch(prompts, pad_id, left=True))
-    position = (mask.cumsum(-1) - 1).clamp(min=0)
+    position = (mask.cumsum(-1) - 1).clamp(min=0) if takes_position_ids(model) else None
     cache = DynamicCache()
-    logits = model(input_ids=ids, attention_mask=mask, position_ids=position, **{CACHE: cache}, use_cache=True,
-                   logits_to_keep=1).logits[:, -1]
+    logits = forward_with_cache(model, ids, mask, position, cache, logits_to_keep=1)
     cache.batch_repeat_interleave(group_size)
     logits = logits.repeat_interleave(group_size, 0)
     mask = mask.repeat_interleave(group_size, 0)
-    position = position[:, -1:].repeat_interleave(group_size, 0)
+    if position is not None:
+        position = position[:, -1:].repeat_interleave(group_size, 0)
     rows = logits.shape[0]
-    step = decode_step
+    step = forward_with_cache
     if static:
         cache, mask, step = static_decoding(model, cache, mask, max_new_tokens)
     tokens, logps = [], []
@@ -430,8 +422,8 @@ def decode(model, prompts, *, group_size, max_new_tokens, temperature, top_p, eo
             break
         if not static:
             mask = torch.cat([mask, mask.new_ones(rows, 1)], dim=1)
-        position = position + 1
-        logits = step(model, token, mask, position, cache)
+        position = position + 1 if position is not None else None
+        logits = step(model, token[:, None], mask, position, cache)
     tokens, logps = torch.stack(tokens, 1).cpu(), torch.stack(logps, 1).float().cpu()
     lengths = response_mask(tokens, eos_ids).sum(-1).tolist()
     response_ids = [tokens[i, :n].tolist() for i, n in enumerate(lengths)]
@@ -441,10 +433,11 @@ def decode(model, prompts, *, group_size, max_new_tokens, temperature, top_p, eo
                  truncated=[not (r and r[-1] in eos_set) for r in response_ids])
 
 
-def decode_step(model, token, mask, position, cache):
-    """One decoding step: the next-token logits [rows, V] for the last sampled tokens."""
-    return model(input_ids=token[:, None], attention_mask=mask, position_ids=position, **{CACHE: cache},
-                 use_cache=True).logits[:, -1]
+def forward_with_cache(model, ids, mask, position, cache, **kwargs):
+    """The model's last-position logits [rows, V], reading and extending the KV cache (position None:
+    an ALiBi model, whose positions follow the mask). Also the decode step that static_rollout compiles."""
+    positions = {} if position is None else {"position_ids": position}
+    return model(input_ids=ids, attention_mask=mask, **positions, **{CACHE: cache}, use_cache=True, **kwargs).logits[:, -1]
 
 
 def bucket(n, per_octave=4, smallest=64):
@@ -478,7 +471,7 @@ def static_decoding(model, prefill_cache, mask, max_new_tokens):
     mask = torch.cat([mask, mask.new_ones(rows, length - width)], dim=1)
     cuda = mask.device.type == "cuda"
     if cuda not in _compiled_steps:  # CUDA: capture each step shape once as a CUDA graph
-        _compiled_steps[cuda] = torch.compile(decode_step, mode="reduce-overhead" if cuda else "default")
+        _compiled_steps[cuda] = torch.compile(forward_with_cache, mode="reduce-overhead" if cuda else "default")
 
     def step(*args):
         if cuda:  # the previous step's graph outputs are consumed; let the next replay reuse them
@@ -1071,19 +1064,10 @@ def sampled_logprobs(hidden, weight, tokens, temperature=1.0, chunk_size=128, ma
 
 
 # ----------------------------------------------------------------------------- loss and backward
-def decoder(model):
-    """The model's body: token ids -> final hidden states, before the LM head."""
-    return model.get_decoder()
-
-
-def lm_head_weight(model):
-    return model.get_output_embeddings().weight
-
-
 def hidden_states(model, sequences, dev):
-    """Right-pad sequences, run the decoder body, return hidden states [B, T, H]."""
+    """Right-pad sequences, run the decoder body, return its final hidden states [B, T, H]."""
     ids, mask = pad_batch(sequences, 0, left=False)
-    return decoder(model)(input_ids=ids.to(dev), attention_mask=mask.to(dev), use_cache=False).last_hidden_state
+    return body_forward(decoder_body(model), ids.to(dev), mask.to(dev))
 
 
 def response_hidden(model, prompts, responses, dev):
@@ -1101,22 +1085,20 @@ def shared_prompt_hidden(model, prompts, responses, dev):
 
     Prompts are left-padded into one prefill; the distinct responses (right-padded) continue from
     their prompt's cache row at positions len(prompt), len(prompt)+1, ..."""
-    body = decoder(model)
+    body = decoder_body(model)
     keys = list(zip(map(tuple, prompts), map(tuple, responses)))
     unique = {p: k for k, p in enumerate(dict.fromkeys(p for p, _ in keys))}
     pairs = {pr: k for k, pr in enumerate(dict.fromkeys(keys))}
     ids, mask = (t.to(dev) for t in pad_batch(list(unique), 0, left=True))
     cache = DynamicCache()
-    last = body(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
-                **{CACHE: cache}, use_cache=True).last_hidden_state[:, -1:]
+    last = body_forward(body, ids, mask, (mask.cumsum(-1) - 1).clamp(min=0), cache)[:, -1:]
     which = torch.tensor([unique[p] for p, _ in pairs], device=dev)
     hidden = last[which]  # [pairs, 1, H]: predicts each pair's first response token
     if max(len(r) for r in responses) > 1:  # the last response token predicts nothing
         cache.batch_select_indices(which)
         rest_ids, rest_mask = pad_batch([list(r[:-1]) for _, r in pairs], 0, left=False)
         position = mask.sum(-1)[which, None] + torch.arange(rest_ids.shape[1], device=dev)[None]
-        rest = body(input_ids=rest_ids.to(dev), attention_mask=torch.cat([mask[which], rest_mask.to(dev)], dim=1),
-                    position_ids=position, **{CACHE: cache}, use_cache=True).last_hidden_state
+        rest = body_forward(body, rest_ids.to(dev), torch.cat([mask[which], rest_mask.to(dev)], dim=1), position, cache)
         hidden = torch.cat([hidden, rest], 1)  # [pairs, 1 + rest, H]: position t predicts token t
     width = hidden.shape[1]
     index = [pairs[key] * width + t for key in keys for t in range(len(key[1]))]
@@ -1124,8 +1106,9 @@ def shared_prompt_hidden(model, prompts, responses, dev):
 
 
 def teacher_parts(mode, rate, model, teacher_model, initial_model, teacher_prompts, responses, dev):
-    """The teacher's logits as [(hidden [N, H], LM-head weight, coef)], summed by the token loss;
-    rows of responses without a teacher prompt stay zero (they are outside div_rows). No grad."""
+    """The teacher's logits as [(hidden [N, H], LM-head weight, coef)], summed by the token loss (the
+    model's logit scale is folded into coef); rows of responses without a teacher prompt stay zero
+    (they are outside div_rows). No grad."""
     has = [i for i, t in enumerate(teacher_prompts) if t is not None]
     lengths = [len(r) for r in responses]
     starts = [0, *itertools.accumulate(lengths)]
@@ -1135,13 +1118,16 @@ def teacher_parts(mode, rate, model, teacher_model, initial_model, teacher_promp
         h = shared_prompt_hidden(m, [teacher_prompts[i] for i in has], [responses[i] for i in has], dev)
         return h.new_zeros(sum(lengths), h.shape[-1]).index_copy_(0, index, h)
 
+    def part(m, coef):
+        weight, scale = lm_head(m)
+        return rows(m), weight.detach(), coef * scale
+
     with torch.no_grad():
         if mode in ("frozen", "ema"):
-            return [(rows(teacher_model), lm_head_weight(teacher_model), 1.0)]
+            return [part(teacher_model, 1.0)]
         if mode == "live":
-            return [(rows(model), lm_head_weight(model).detach(), 1.0)]
-        return [(rows(initial_model), lm_head_weight(initial_model), 1.0 - rate),  # trust_region
-                (rows(model), lm_head_weight(model).detach(), rate)]
+            return [part(model, 1.0)]
+        return [part(initial_model, 1.0 - rate), part(model, rate)]  # trust_region
 
 
 def loss_chunk_size(cfg, dev):
@@ -1171,8 +1157,9 @@ def loss_backward(model, batch, cfg, dev, teacher_model=None, initial_model=None
         with autocast():
             if cfg["kl_coef"] > 0 and cfg["algo"] != "sft":
                 with torch.no_grad():
+                    w0, s0 = lm_head(initial_model)
                     h0 = response_hidden(initial_model, mb.prompt_ids, mb.response_ids, dev)
-                    ref_logp = sampled_logprobs(h0, lm_head_weight(initial_model), tokens, cfg["temperature"],
+                    ref_logp = sampled_logprobs(h0 * s0 if s0 != 1 else h0, w0, tokens, cfg["temperature"],
                                                 loss_chunk_size(cfg, dev), amp)
             t1 = time.time()
             if cfg["algo"] == "sdpo" and div_rows.any():  # teacher forwards only for responses with a signal
@@ -1181,12 +1168,14 @@ def loss_backward(model, batch, cfg, dev, teacher_model=None, initial_model=None
                                         prompts, mb.response_ids, dev)
             t2 = time.time()
             h = response_hidden(model, mb.prompt_ids, mb.response_ids, dev)
+            weight, scale = lm_head(model)  # logits = scale · (h @ weight.T): the scale goes on h
+            h = h * scale if scale != 1 else h
         loss_fn = make_loss_fn(
             algo=cfg["algo"], old_logp=torch.cat(mb.old_logprobs).to(dev), ref_logp=ref_logp,
             advantage=torch.cat([torch.full((n,), float(a)) for n, a in zip(lengths, mb.advantages)]).to(dev),
             pg_weight=torch.cat(mb.pg_weight).to(dev), distill_weight=distill_weight, clip_low=cfg["clip_low"],
             clip_high=cfg["clip_high"], kl_coef=cfg["kl_coef"], is_clip=cfg["is_clip"], distill=cfg["distill"])
-        loss, stats = token_loss(h, lm_head_weight(model), tokens, loss_fn, teacher=teacher,
+        loss, stats = token_loss(h, weight, tokens, loss_fn, teacher=teacher,
                                  div_rows=div_rows if teacher else None, alpha=cfg["alpha"], distill=cfg["distill"],
                                  topk=cfg["topk"], tail=cfg["tail"], temperature=temperature, **options)
         loss.backward()
@@ -1333,43 +1322,6 @@ def load_trainer_state(path, optimizer, teacher_model):
 
 
 # ----------------------------------------------------------------------------- runtime
-def load_model(init, cfg, dev, torch_dtype):
-    """Return (model, tokenizer) for 'scratch', or an HF folder / hub id."""
-    if init == "scratch":
-        if not os.path.exists(os.path.join(cfg["tokenizer_path"], "tokenizer_config.json")):
-            raise UserError(f"{cfg['tokenizer_path']} has no tokenizer: run `python data/toy/prepare.py` first")
-        tokenizer = AutoTokenizer.from_pretrained(cfg["tokenizer_path"])
-        torch.manual_seed(cfg["seed"])
-        config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=cfg["n_embd"], intermediate_size=4 * cfg["n_embd"],
-                             num_hidden_layers=cfg["n_layer"], num_attention_heads=cfg["n_head"],
-                             num_key_value_heads=cfg["n_head"], max_position_embeddings=cfg["block_size"],
-                             tie_word_embeddings=True, bos_token_id=None, eos_token_id=tokenizer.eos_token_id,
-                             pad_token_id=tokenizer.pad_token_id)
-        model = Qwen2ForCausalLM(config)
-    else:
-        if os.path.isdir(init) and not os.path.exists(os.path.join(init, "config.json")):
-            raise UserError(f"{init} is not a model folder (no config.json): point init_from at a checkpoint folder")
-        if not os.path.isdir(init) and init.count("/") != 1:
-            raise UserError(f"model {init} not found: no such folder, and not a hub id like Qwen/Qwen3-8B "
-                            "(for the toy base: python train.py config/toy_base.py)")
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(init)
-            model = AutoModelForCausalLM.from_pretrained(init, dtype=torch_dtype)
-        except (OSError, ValueError) as e:  # not a folder, and not reachable on the hub
-            raise UserError(f"cannot load model {init!r}: {str(e).splitlines()[0]}") from None
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    return model.to(dev, torch_dtype), tokenizer
-
-
-def stop_token_ids(model, tokenizer):
-    """Every id that ends a response: the tokenizer's EOS and each id of the model's
-    generation_config.eos_token_id (Qwen3 declares <|im_end|> and <|endoftext|>)."""
-    declared = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    declared = declared if isinstance(declared, (list, tuple)) else [declared]
-    return sorted({i for i in [tokenizer.eos_token_id, *declared] if i is not None})
-
-
 def pick_device(name):
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -1495,7 +1447,9 @@ def setup(cfg, ddp):
             state["base_init"] = json.load(f)["base_init"]
     random.seed(cfg["seed"])
     torch.manual_seed(cfg["seed"])
-    model, tokenizer = load_model(ckpt_dir if resume else cfg["init_from"], cfg, dev, torch.float32)
+    model, tokenizer = load_model(ckpt_dir if resume else cfg["init_from"], cfg, dev)
+    if not has_chat_template(tokenizer):
+        say(ddp, f"note: {cfg['init_from']}'s tokenizer has no chat template: prompts are the messages' text, one per line")
     model.train()
     if cfg["grad_checkpointing"]:
         enable_grad_checkpointing(model)
@@ -1504,13 +1458,13 @@ def setup(cfg, ddp):
         cfg["teacher"] in ("frozen", "trust_region") or cfg["teacher_stage_reset"] == "initial"))
     initial_model = None
     if needs_initial:
-        initial_model = frozen_copy(load_model(state["base_init"], cfg, dev, torch.float32)[0] if resume else model)
+        initial_model = frozen_copy(load_model(state["base_init"], cfg, dev)[0] if resume else model)
     teacher_model = None
     if cfg["algo"] == "sdpo" and cfg["teacher"] in ("frozen", "ema"):
         teacher_model = frozen_copy(initial_model if initial_model is not None else model)
         if cfg["teacher_init"] and not resume:
             # θ_T ← (1 − a)·θ_T + a·θ_init: the EMA update's formula, applied once
-            ema_update(teacher_model, load_model(cfg["teacher_init"], cfg, dev, torch.float32)[0], cfg["teacher_init_alpha"])
+            ema_update(teacher_model, load_model(cfg["teacher_init"], cfg, dev)[0], cfg["teacher_init_alpha"])
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg["learning_rate"], betas=(cfg["beta1"], cfg["beta2"]),
                                   weight_decay=cfg["weight_decay"])
     generator = make_generator(cfg["seed"] + ddp.rank, dev)  # sampling and density masks, per rank
@@ -1535,6 +1489,14 @@ def setup(cfg, ddp):
                 wandb=wandb_run, ckpt_dir=ckpt_dir, state=state, model=model, tokenizer=tokenizer,
                 initial_model=initial_model, teacher_model=teacher_model, optimizer=optimizer, generator=generator,
                 data_rng=data_rng, amp=amp_dtype(dev, cfg["dtype"]))
+
+
+def load_model(init, cfg, dev):
+    """models.load_model in fp32 (the optimizer's master weights), its errors as one-line UserErrors."""
+    try:
+        return models.load_model(init, dev, torch.float32, scratch=cfg)
+    except ModelError as e:
+        raise UserError(str(e)) from None
 
 
 def say(ddp, *args):

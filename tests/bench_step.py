@@ -219,7 +219,7 @@ def main():
     random.seed(args.seed)
     torch.manual_seed(args.seed)
     try:
-        base, tokenizer = train.load_model(args.init_from, cfg, dev, torch.float32)
+        base, tokenizer = train.load_model(args.init_from, cfg, dev)
         tasks = train.load_tasks(args.dataset, "train", cfg["data_dir"])
         n_ctx = sum(str(t.get("id", "")).endswith("-ctx") for t in tasks)
         if args.no_ctx:

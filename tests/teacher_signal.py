@@ -73,7 +73,7 @@ def answer_span(tokenizer, solution, answer):
 def score(model, prompts, responses, dev, batch=64):
     """Per-token log-probs of each response after its prompt: list of [n] tensors."""
     out = []
-    weight = train.lm_head_weight(model)
+    weight = train.lm_head(model)[0]
     for a in range(0, len(prompts), batch):
         p, r = prompts[a:a + batch], responses[a:a + batch]
         h = train.response_hidden(model, p, r, dev)
@@ -108,7 +108,7 @@ def main():
         if args.init_from != "scratch" and not os.path.exists(os.path.join(args.init_from, "config.json")):
             raise train.UserError(f"{args.init_from} is not a model folder: train the toy base first "
                                   "(python train.py config/toy_base.py) or pass --init_from=scratch")
-        model, tokenizer = train.load_model(args.init_from, cfg, dev, torch.float32)
+        model, tokenizer = train.load_model(args.init_from, cfg, dev)
         domains = [d for d in args.domains.split(",") if d]
         all_tasks = {d: train.load_tasks(f"toy/{d}", "test", cfg["data_dir"])[:args.n_prompts] for d in domains}
     except train.UserError as e:

@@ -129,7 +129,7 @@ def test_resume_from_something_that_is_not_a_checkpoint(tmp_path, toy_data):
 
 def test_missing_model_folder_is_one_clear_error():
     with pytest.raises(train.UserError, match="not found"):
-        train.load_model("out/no_such_run/ckpt", defaults(), None, None)
+        train.load_model("out/no_such_run/ckpt", defaults(), None)
 
 
 def config_file_error(tmp_path, text, name="cfg.py"):

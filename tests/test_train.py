@@ -14,7 +14,7 @@ def tiny_setup(toy_data, algo, **overrides):
     cfg = dict(defaults(), algo=algo, tokenizer_path=os.path.join(toy_data, "toy", "tokenizer"), n_layer=1, n_head=2,
                n_embd=32, block_size=128, micro_batch_size=3, topk=10, loss_chunk=7)
     cfg.update(overrides)
-    model, tokenizer = train.load_model("scratch", cfg, torch.device("cpu"), torch.float32)
+    model, tokenizer = train.load_model("scratch", cfg, torch.device("cpu"))
     return cfg, model, tokenizer
 
 

@@ -1,0 +1,179 @@
+"""
+Any HF causal LM, the way train.py needs it: loaded (or a toy model built from scratch), its decoder
+body and LM head taken apart for the fused loss, checked once at load, its EOS ids, and its prompts.
+
+train.py never asks the model for its training logits: it runs the decoder body, keeps the final
+hidden states h and does the LM head itself, in chunks (models.lm_head). That is only right if the
+model's own forward does nothing else after the body than logits = scale · (h @ Wᵀ): true for most
+causal LMs (scale 1), Granite (1/logits_scaling), Cohere (logit_scale), ... A model that also adds a
+bias, soft-caps its logits (Gemma-2) or has a head with its own layers is refused at load with one
+line, rather than trained with silently wrong log-probs.
+"""
+import inspect
+import os
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, Qwen2Config, Qwen2ForCausalLM
+from transformers.utils import logging as hf_logging
+
+hf_logging.disable_progress_bar()  # loading / saving bars would bury train.py's one-line errors and logs
+
+# transformers renamed the forward's KV-cache argument from past_key_values to cache (5.2x); 5.17
+# silently ignores cache=, so the name is read off the installed version's signature
+CACHE = "cache" if "cache" in inspect.signature(Qwen2ForCausalLM.forward).parameters else "past_key_values"
+SOFTCAP_FIELDS = ("final_logit_softcapping", "logits_soft_cap", "output_logit_soft_cap")
+
+
+class ModelError(ValueError):
+    """The model cannot be trained here (train.py reports it as one line)."""
+
+
+def decoder_body(model):
+    """The module the model's forward runs before its LM head (`model`, `transformer`, `gpt_neox`,
+    ...: what base_model_prefix names); its last_hidden_state has been through the final norm."""
+    body = model.base_model
+    if body is model:  # Llama4 / Mllama: the prefix names no attribute, their forward calls self.model
+        body = getattr(model, "model", None)
+    if not isinstance(body, torch.nn.Module) or body is model:
+        raise ModelError(f"{type(model).__name__} has no decoder body that nanoSDPO can find")
+    return body
+
+
+def takes_position_ids(module):
+    """False for ALiBi models (Bloom, MPT): their position bias follows the attention mask."""
+    return "position_ids" in inspect.signature(module.forward).parameters
+
+
+def body_forward(body, input_ids, attention_mask, position_ids=None, cache=None):
+    """The body's last_hidden_state, called by keyword (the positional order differs: GPT-2's second
+    argument is the cache)."""
+    inputs = dict(input_ids=input_ids, attention_mask=attention_mask, use_cache=cache is not None)
+    if position_ids is not None and takes_position_ids(body):
+        inputs["position_ids"] = position_ids
+    if cache is not None:
+        inputs[CACHE] = cache
+    return body(**inputs).last_hidden_state
+
+
+def lm_head(model):
+    """(weight [V, H], scale): the model's logits are scale · (h @ weight.T) of its body's hidden states."""
+    return model.get_output_embeddings().weight, model.logit_scale_for_nanosdpo
+
+
+@torch.no_grad()
+def check_model(model):
+    """Take the model's LM head apart, or refuse it in one line (ModelError); sets its logit scale.
+
+    On 8 tokens: the model's own logits against scale · (h @ Wᵀ), with the scale that fits best
+    (1/logits_scaling for Granite, logit_scale for Cohere, 1 for most); then a left-padded prefill
+    into a DynamicCache continued at explicit positions, the pattern of the rollout and the teacher
+    forward, against one plain forward (recurrent and hybrid models keep state outside the cache)."""
+    name, config = type(model).__name__, model.config.get_text_config()
+    for field in SOFTCAP_FIELDS:
+        if getattr(config, field, None):
+            raise ModelError(f"{name}: config {field}={getattr(config, field)} (soft-capped logits) is not supported "
+                             "by nanoSDPO's LM-head loss; set it to null in config.json to train without the cap")
+    head = model.get_output_embeddings()
+    if not isinstance(head, torch.nn.Linear):
+        raise ModelError(f"{name}: its LM head is a {type(head).__name__}, not one linear layer")
+    if head.bias is not None:
+        raise ModelError(f"{name}: its LM head has a bias, which nanoSDPO's LM-head loss does not support")
+    was_training = model.training
+    model.eval()
+    try:
+        dev, vocab = head.weight.device, head.weight.shape[0]
+        ids = ((torch.arange(8, device=dev) * 7919 + 11) % vocab)[None]
+        mask = torch.ones_like(ids)
+        want = model(input_ids=ids, attention_mask=mask).logits.double()
+        raw = (body_forward(decoder_body(model), ids, mask) @ head.weight.T).double()
+        scale = (want * raw).sum().item() / max((raw * raw).sum().item(), 1e-30)
+        err = (want - scale * raw).abs().max().item()
+        if want.shape != raw.shape or err > 1e-4 * (1 + want.abs().max().item()):
+            raise ModelError(f"{name}: its logits are not a scaled h @ Wᵀ of its body's hidden states "
+                             f"(max |Δ| {err:.3g}): nanoSDPO's LM-head loss does not support this architecture")
+        model.logit_scale_for_nanosdpo = scale if abs(scale - 1) > 1e-6 else 1.0
+        # the rollout / teacher pattern: prefill 2 left-padded prompts, pick rows, continue at positions
+        prompt = ((torch.arange(10, device=dev) * 7919 + 11) % vocab).view(2, 5)
+        p_mask = torch.ones_like(prompt)
+        p_mask[1, :2] = 0
+        rest = ((torch.arange(6, device=dev) * 104729 + 5) % vocab).view(2, 3)
+        which = torch.tensor([1, 0], device=dev)
+        position = (p_mask.cumsum(-1) - 1).clamp(min=0)
+        rest_position = p_mask.sum(-1)[which, None] + torch.arange(3, device=dev)[None]
+        full_mask = torch.cat([p_mask[which], torch.ones_like(rest)], 1)
+        body, cache = decoder_body(model), DynamicCache()
+        try:
+            body_forward(body, prompt, p_mask, position, cache)
+            cache.batch_select_indices(which)
+            got = body_forward(body, rest, full_mask, rest_position, cache)
+        except Exception as e:
+            raise ModelError(f"{name}: its body cannot continue from a KV cache ({type(e).__name__}): "
+                             "recurrent and hybrid models are not supported") from None
+        plain = body_forward(body, torch.cat([prompt[which], rest], 1), full_mask, torch.cat([position[which], rest_position], 1))
+        if (got - plain[:, 5:]).abs().max().item() > 1e-4 * (1 + plain.abs().max().item()):
+            raise ModelError(f"{name}: a KV-cached continuation differs from a plain forward: recurrent and hybrid "
+                             "models are not supported")
+    finally:
+        model.train(was_training)
+
+
+def stop_token_ids(model, tokenizer):
+    """Every id that ends a response, sorted: the tokenizer's EOS and each eos_token_id the model's
+    generation_config and config declare (an int or a list: Qwen3 lists <|im_end|> and <|endoftext|>)."""
+    ids = {tokenizer.eos_token_id}
+    for source in (getattr(model, "generation_config", None), model.config, model.config.get_text_config()):
+        declared = getattr(source, "eos_token_id", None)
+        ids.update(declared if isinstance(declared, (list, tuple)) else [declared])
+    return sorted(int(i) for i in ids if i is not None)
+
+
+def has_chat_template(tokenizer):
+    return bool(getattr(tokenizer, "chat_template", None))
+
+
+def prompt_ids(tokenizer, messages, enable_thinking=False):
+    """A prompt's token ids, ending where the reply starts: the chat template with its generation
+    prefix, or, for a tokenizer without one (a base model), the messages' contents one per line."""
+    if has_chat_template(tokenizer):
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                             enable_thinking=enable_thinking)
+        return tokenizer.encode(text, add_special_tokens=False)
+    return tokenizer.encode("\n".join(m["content"] for m in messages) + "\n", add_special_tokens=True)
+
+
+def context_length(model):
+    config = model.config.get_text_config()
+    return getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+
+
+def load_model(init, dev, dtype=torch.float32, scratch=None):
+    """(model, tokenizer) from an HF folder or hub id, or, for init='scratch', a small Qwen2-shaped
+    model built from `scratch` (tokenizer_path, seed, n_layer, n_head, n_embd, block_size).
+    Checked with check_model; every failure is a ModelError with one line."""
+    if init == "scratch":
+        s = scratch
+        if not os.path.exists(os.path.join(s["tokenizer_path"], "tokenizer_config.json")):
+            raise ModelError(f"{s['tokenizer_path']} has no tokenizer: run `python data/toy/prepare.py` first")
+        tokenizer = AutoTokenizer.from_pretrained(s["tokenizer_path"])
+        torch.manual_seed(s["seed"])
+        model = Qwen2ForCausalLM(Qwen2Config(
+            vocab_size=len(tokenizer), hidden_size=s["n_embd"], intermediate_size=4 * s["n_embd"],
+            num_hidden_layers=s["n_layer"], num_attention_heads=s["n_head"], num_key_value_heads=s["n_head"],
+            max_position_embeddings=s["block_size"], tie_word_embeddings=True, bos_token_id=None,
+            eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id))
+    else:
+        if os.path.isdir(init) and not os.path.exists(os.path.join(init, "config.json")):
+            raise ModelError(f"{init} is not a model folder (no config.json): point init_from at a checkpoint folder")
+        if not os.path.isdir(init) and init.count("/") != 1:
+            raise ModelError(f"model {init} not found: no such folder, and not a hub id like Qwen/Qwen3-8B "
+                             "(for the toy base: python train.py config/toy_base.py)")
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(init)
+            model = AutoModelForCausalLM.from_pretrained(init, dtype=dtype)
+        except Exception as e:  # not on the hub, no network, a damaged file, an unknown architecture, ...
+            raise ModelError(f"cannot load model {init!r}: {(str(e).strip().splitlines() or [type(e).__name__])[0]}") from None
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    model = model.to(dev, dtype)
+    check_model(model)
+    return model, tokenizer
