@@ -18,6 +18,12 @@ import re
 import traceback
 
 PLAIN = (bool, int, float, str)
+
+
+class UserError(Exception):
+    """Bad input from the user: the scripts print it as one line (error: ...) and exit 1, before
+    anything on disk is touched."""
+
 NON_FINITE_WORDS = {"nan", "inf", "infinity"}  # float() accepts these, with any case and sign
 
 

@@ -47,6 +47,7 @@ import sys
 
 import torch
 
+import models
 import train
 from configurator import configure
 from data import checkers
@@ -503,7 +504,7 @@ def read_run(path):
     if os.path.exists(mpath):
         with open(mpath) as f:
             run["matrix"] = json.load(f)
-    spath = os.path.join(path, "ckpt", "state.json")
+    spath = os.path.join(path, "ckpt", "trainer", "state.json")
     if os.path.exists(spath):
         with open(spath) as f:
             run["state"] = json.load(f)
@@ -516,15 +517,15 @@ def read_run(path):
             run["snapshots"].append((i, name, os.path.join(path, entry)))
     run["snapshots"].sort()
     if run["matrix"] is None and run["state"] is None:
-        raise train.UserError(f"{path} has neither accuracy_matrix.json nor ckpt/state.json: is it a train.py out_dir?")
+        raise train.UserError(f"{path} has neither accuracy_matrix.json nor ckpt/trainer/state.json: is it a train.py out_dir?")
     return run
 
 
 def load(init, run_cfg, dev):
-    """train.load_model with the run's config (needed to rebuild init_from='scratch')."""
+    """models.load_model with the run's config (needed to rebuild init_from='scratch')."""
     if init == "scratch" and not run_cfg:
         raise train.UserError("base_model='scratch' needs run_dir (its config rebuilds the initial weights)")
-    model_, tokenizer = train.load_model(init, run_cfg or {}, dev)
+    model_, tokenizer = models.load_model(init, dev, scratch=run_cfg or {})
     model_.eval()
     return model_, tokenizer
 

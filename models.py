@@ -14,9 +14,15 @@ import os
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, Qwen2Config, Qwen2ForCausalLM
+from huggingface_hub.utils import logging as hf_hub_logging
 from transformers.utils import logging as hf_logging
 
-hf_logging.disable_progress_bar()  # loading / saving bars would bury train.py's one-line errors and logs
+from configurator import UserError
+
+# progress bars and hub retry warnings would bury the one-line errors and the training log
+hf_logging.disable_progress_bar()
+hf_logging.set_verbosity_error()
+hf_hub_logging.set_verbosity_error()
 
 # transformers renamed the forward's KV-cache argument from past_key_values to cache (5.2x); 5.17
 # silently ignores cache=, so the name is read off the installed version's signature
@@ -24,8 +30,8 @@ CACHE = "cache" if "cache" in inspect.signature(Qwen2ForCausalLM.forward).parame
 SOFTCAP_FIELDS = ("final_logit_softcapping", "logits_soft_cap", "output_logit_soft_cap")
 
 
-class ModelError(ValueError):
-    """The model cannot be trained here (train.py reports it as one line)."""
+class ModelError(UserError):
+    """The model cannot be loaded or trained here: one line, like every UserError."""
 
 
 def decoder_body(model):
@@ -151,6 +157,8 @@ def load_model(init, dev, dtype=torch.float32, scratch=None):
     model built from `scratch` (tokenizer_path, seed, n_layer, n_head, n_embd, block_size).
     Checked with check_model; every failure is a ModelError with one line."""
     if init == "scratch":
+        if not scratch:
+            raise ModelError("init_from=scratch builds a toy model from train.py's settings: give a checkpoint folder or hub id")
         s = scratch
         if not os.path.exists(os.path.join(s["tokenizer_path"], "tokenizer_config.json")):
             raise ModelError(f"{s['tokenizer_path']} has no tokenizer: run `python data/toy/prepare.py` first")

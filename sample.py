@@ -10,6 +10,7 @@ response is scored with train.reward). Same configurator as train.py.
 import json
 import sys
 
+import models
 import train
 from configurator import configure
 
@@ -61,7 +62,7 @@ def main(cfg):
         raise train.UserError(f"prompt_file {cfg['prompt_file']} not found") from None
     if not prompts:
         raise train.UserError(f"prompt_file {cfg['prompt_file']} holds no prompts (one per line, or task JSON lines)")
-    model, tokenizer = train.load_model(cfg["init_from"], {}, dev)
+    model, tokenizer = models.load_model(cfg["init_from"], dev)
     model.eval()
     generator = train.make_generator(cfg["seed"], dev)
     for messages, task in prompts:

@@ -71,28 +71,29 @@ import math
 import os
 import random
 import re
-import shutil
+import statistics
 import sys
 import time
 from dataclasses import dataclass, fields
 
 import torch
 import torch.distributed as dist
-from safetensors.torch import load_file, load_model as load_weights, save_file, save_model
 from tqdm import tqdm
 from transformers import DynamicCache, StaticCache
 
+import checkpoint
+from configurator import UserError
 from data import checkers
-import models
-from models import (CACHE, ModelError, body_forward, context_length, decoder_body, has_chat_template, lm_head,
+from models import (CACHE, body_forward, context_length, decoder_body, has_chat_template, lm_head, load_model,
                     prompt_ids, stop_token_ids, takes_position_ids)
 
 # ----------------------------------------------------------------------------- defaults
 # Every line `name = value  # help` below is a config key: config files and --name=value
 # override them (configurator.py), `python train.py --help` lists them with this help text.
 # I/O
-out_dir = "out/run"  # where logs, checkpoints and snapshots go
+out_dir = "out/run"  # where logs, checkpoints and snapshots go (one run at a time)
 init_from = "scratch"  # 'scratch' (toy model from the config below), 'resume', or an HF folder / hub id
+overwrite = False  # a fresh run into an out_dir that holds an earlier run replaces it (else it refuses)
 tokenizer_path = "data/toy/tokenizer"  # tokenizer for init_from='scratch'
 data_dir = "data"  # datasets live in data_dir/<name>/{train,test}.jsonl
 dataset = "toy/add"  # training set; several joined with '+' are mixed
@@ -104,6 +105,7 @@ eval_max_prompts = 100  # test prompts per set (0 = all)
 eval_temperature = 0.6  # sampling temperature at eval
 eval_top_p = 0.95  # nucleus sampling at eval
 save_interval = 0  # iterations between checkpoints (0 = at each eval)
+save_dtype = "float32"  # dtype of the model exported in ckpt/ ('float32' or 'bfloat16'; resuming stays exact)
 log_jsonl = True  # append every iteration's metrics to out_dir/log.jsonl
 wandb_log = False  # also log to Weights & Biases (pip install wandb)
 wandb_project = "nanosdpo"  # wandb project name
@@ -124,6 +126,8 @@ batch_prompts = 32  # prompts per iteration
 group_size = 8  # responses per prompt
 micro_batch_size = 64  # sequences per forward/backward (gradient accumulation over the rest)
 max_new_tokens = 64  # response length cap
+max_prompt_len = 0  # longer prompts are left out, and counted (0 = the model's context - max_new_tokens)
+overlong_filter = False  # leave responses cut off at max_new_tokens out of the loss (DAPO's overlong filtering)
 temperature = 1.0  # rollout sampling temperature (also divides the training logits)
 top_p = 1.0  # rollout nucleus sampling
 static_rollout = "auto"  # decode on a static KV cache through a torch.compile'd step: 'auto' (on for CUDA: CUDA graphs), 'on', 'off'
@@ -138,6 +142,7 @@ weight_decay = 0.01  # AdamW weight decay
 beta1 = 0.9  # AdamW beta1
 beta2 = 0.999  # AdamW beta2
 grad_clip = 1.0  # clip the global grad norm (0 = off)
+math_checker = "builtin"  # 'builtin' (data/checkers.py) or 'math_verify' (pip install math-verify)
 # GRPO
 norm_adv_std = False  # divide advantages by the group's std (+eps)
 clip_low = 0.2  # PPO clip: ratio >= 1 - clip_low
@@ -184,6 +189,8 @@ CHOICES = {
     "teacher_stage_reset": ("keep", "student", "initial"),
     "dtype": ("auto", "float32", "bfloat16", "float16"),
     "static_rollout": ("auto", "on", "off"),
+    "save_dtype": ("float32", "bfloat16"),
+    "math_checker": ("builtin", "math_verify"),
 }
 RANGES = {  # key: (low, high, low inclusive)
     "density": (0.0, 1.0, False), "alpha": (0.0, 1.0, True), "teacher_rate": (0.0, 1.0, True),
@@ -194,11 +201,8 @@ POSITIVE = ("max_iters", "batch_prompts", "group_size", "micro_batch_size", "max
             "n_layer", "n_head", "n_embd", "block_size", "eval_n", "max_reprompt_len", "temperature",
             "eval_temperature")
 NON_NEGATIVE = ("gen_batch_size", "warmup_iters", "eval_interval", "eval_max_prompts", "save_interval", "weight_decay",
-                "grad_clip", "clip_low", "clip_high", "kl_coef", "is_clip", "collapse_patience", "loss_chunk")
-
-
-class UserError(Exception):
-    """Bad input from the user: printed as one line, exit code 1, nothing half-written."""
+                "grad_clip", "clip_low", "clip_high", "kl_coef", "is_clip", "collapse_patience", "loss_chunk",
+                "max_prompt_len")
 
 
 def check_config(cfg):
@@ -293,10 +297,10 @@ REWARD_FNS = {"math": checkers.check_math, "mcq": checkers.check_mcq, "tool": ch
               "exact": checkers.check_exact}
 
 
-def reward(kind, response, answer):
-    """(score, feedback) for one response."""
+def reward(kind, response, answer, math_checker="builtin"):
+    """(score, feedback) for one response; math_checker='math_verify' checks math with math-verify."""
     try:
-        check = REWARD_FNS.get(kind)
+        check = checkers.check_math_verify if kind == "math" and math_checker == "math_verify" else REWARD_FNS.get(kind)
         if check is None:
             return 0.0, f"could not check: unknown answer kind {kind!r}"
         return check("" if response is None else str(response), checkers.answer_text(answer))
@@ -460,8 +464,8 @@ def static_decoding(model, prefill_cache, mask, max_new_tokens):
     (the causal mask hides the unwritten ones): one shape for every decode step."""
     rows, width = mask.shape
     length = bucket(width + max_new_tokens)
-    k = prefill_cache.layers[0].keys
-    key = (rows, length, len(prefill_cache.layers), k.shape[1], k.shape[3], k.dtype, k.device)
+    k, v = prefill_cache.layers[0].keys, prefill_cache.layers[0].values
+    key = (rows, length, len(prefill_cache.layers), k.shape[1], k.shape[3], k.dtype, v.dtype, k.device)
     if key not in _static_caches:
         _static_caches[key] = StaticCache(config=model.config, max_cache_len=length)
     cache = _static_caches[key]
@@ -567,15 +571,18 @@ def build_batch(tasks, model, tokenizer, cfg, generator, dev, autocast=contextli
                          static=use_static_rollout(cfg["static_rollout"], dev))
     batch.texts = tokenizer.batch_decode(batch.response_ids, skip_special_tokens=True)
     t_gen, t0 = time.time() - t0, time.time()
-    scored = [reward(tasks[i // G]["kind"], text, tasks[i // G]["answer"]) for i, text in enumerate(batch.texts)]
+    scored = [reward(tasks[i // G]["kind"], text, tasks[i // G]["answer"], cfg["math_checker"])
+              for i, text in enumerate(batch.texts)]
     rewards = torch.tensor([s for s, _ in scored], dtype=torch.float32)
     batch.rewards, feedbacks = rewards.tolist(), [f for _, f in scored]
     t_reward = time.time() - t0
     advantages = group_advantages(rewards, G, cfg["norm_adv_std"])
     batch.advantages = advantages.tolist()
     lengths = [len(r) for r in batch.response_ids]
-    # zero-signal groups are dropped from the GRPO term (unless a KL term still needs them)
-    has_signal = [a != 0 or cfg["kl_coef"] > 0 for a in batch.advantages]
+    # zero-signal groups are dropped from the GRPO term (unless a KL term still needs them), and with
+    # overlong_filter so are responses cut off at max_new_tokens (their reward judges no answer)
+    kept = [not (cfg["overlong_filter"] and cut) for cut in batch.truncated]
+    has_signal = [(a != 0 or cfg["kl_coef"] > 0) and k for a, k in zip(batch.advantages, kept)]
     pg_scale = cfg["grpo_mix"] if cfg["algo"] == "sdpo" else 1.0
     batch.pg_weight = [w * pg_scale for w in grpo_weights(lengths, has_signal, cfg["loss_agg"], cfg["max_new_tokens"],
                                                           global_sum)]
@@ -583,9 +590,11 @@ def build_batch(tasks, model, tokenizer, cfg, generator, dev, autocast=contextli
     metrics = {}
     if cfg["algo"] == "sdpo":
         contexts = teacher_contexts(tasks, batch.texts, batch.rewards, feedbacks, G, cfg)
-        batch.teacher_prompt_ids, cut = template_teacher_prompts(tokenizer, contexts, cfg)
+        # the teacher reads its prompt and then the response: both must fit the model's context
+        limit = min(cfg["max_reprompt_len"], (context_length(model) or math.inf) - cfg["max_new_tokens"])
+        batch.teacher_prompt_ids, cut = template_teacher_prompts(tokenizer, contexts, cfg, limit)
         masks = density_masks(lengths, cfg["density"], generator)
-        masks = [m if t is not None else torch.zeros_like(m) for m, t in zip(masks, batch.teacher_prompt_ids)]
+        masks = [m if t is not None and k else torch.zeros_like(m) for m, t, k in zip(masks, batch.teacher_prompt_ids, kept)]
         n_distill = sum(int(m.sum()) for m in masks)
         # token-mean over every distilled token of the step (all micro-batches, all ranks)
         step_distill = global_sum([n_distill])[0]
@@ -601,18 +610,18 @@ def build_batch(tasks, model, tokenizer, cfg, generator, dev, autocast=contextli
     return batch, metrics
 
 
-def template_teacher_prompts(tokenizer, contexts, cfg):
+def template_teacher_prompts(tokenizer, contexts, cfg, limit):
     """Teacher chat messages -> token ids (None stays None), each distinct context templated once
-    (a group's rows mostly share one); longer than max_reprompt_len: keep the end. Returns
-    (ids per row, how many were cut)."""
+    (a group's rows mostly share one); longer than `limit`: keep the end. Returns (ids per row, how
+    many were cut)."""
     templated, out, cut = {None: None}, [], 0
     for ctx in contexts:
         key = ctx and json.dumps(ctx)
         if key not in templated:
             templated[key] = prompt_ids(tokenizer, ctx, cfg["enable_thinking"])
         ids = templated[key]
-        if ids is not None and len(ids) > cfg["max_reprompt_len"]:
-            ids, cut = ids[-cfg["max_reprompt_len"]:], cut + 1
+        if ids is not None and len(ids) > limit:
+            ids, cut = ids[-limit:], cut + 1
         out.append(ids)
     return out, cut
 
@@ -750,7 +759,8 @@ def naive_token_loss(hidden, weight, tokens, loss_fn, teacher=None, div_rows=Non
     distill_divergence(...) for distill "full" / "topk", or the constant (logp - teacher_logp)
     for "token" (loss_fn builds the sampled-token estimator from teacher_logp).
     loss = loss_fn(logp [N], div [N], teacher_logp [N], slice(0, N)), a scalar.
-    Returns (loss, {"logp", "div", "teacher_logp"}: detached fp32 [N])."""
+    Returns (loss, stats): detached fp32 [N] logp, div, teacher_logp, and two diagnostics: the
+    student's entropy and (distill="topk", distillation rows) the mass of its top-k tokens."""
     div_mask = _div_rows(hidden, teacher, div_rows)
     N = hidden.shape[0]
     dt = torch.promote_types(hidden.dtype, torch.float32)
@@ -758,10 +768,13 @@ def naive_token_loss(hidden, weight, tokens, loss_fn, teacher=None, div_rows=Non
     logits = hidden.to(dt) @ weight.to(dt).T
     if temperature != 1.0:
         logits = logits / temperature
-    logp = torch.log_softmax(logits, -1).gather(1, tokens[:, None]).squeeze(1)
-    div = torch.zeros(N, dtype=dt, device=hidden.device)
-    teacher_logp = torch.zeros(N, dtype=dt, device=hidden.device)
+    log_probs = torch.log_softmax(logits, -1)
+    logp = log_probs.gather(1, tokens[:, None]).squeeze(1)
+    entropy = -(log_probs.exp() * log_probs).sum(-1)
+    div, teacher_logp, topk_mass = (torch.zeros(N, dtype=dt, device=hidden.device) for _ in range(3))
     rows = div_mask.nonzero().squeeze(1)
+    if rows.numel() > 0 and distill == "topk":
+        topk_mass[rows] = log_probs[rows].exp().topk(min(topk, log_probs.shape[1]), dim=-1).values.sum(-1)
     if rows.numel() > 0:
         t_logits = sum(coef * (h_t.detach()[rows].to(dt) @ w_t.detach().to(dt).T) for h_t, w_t, coef in teacher)
         t_logits = t_logits / temperature if temperature != 1.0 else t_logits
@@ -773,7 +786,8 @@ def naive_token_loss(hidden, weight, tokens, loss_fn, teacher=None, div_rows=Non
             d = distill_divergence(logits[rows], t_logits, alpha, distill, topk, tail)
         div = div.index_put((rows,), d)
     loss = loss_fn(logp, div, teacher_logp, slice(0, N))
-    return loss, {"logp": logp.detach().float(), "div": div.detach().float(), "teacher_logp": teacher_logp.detach().float()}
+    stats = {"logp": logp, "div": div, "teacher_logp": teacher_logp, "entropy": entropy, "topk_mass": topk_mass}
+    return loss, {k: v.detach().float() for k, v in stats.items()}
 
 
 # ----------------------------------------------------------------------------- the fused loss
@@ -892,7 +906,7 @@ class _FusedTokenLoss(torch.autograd.Function):
         teacher = [(h_t.detach(), w_t.detach().to(mm), float(coef) / temperature) for h_t, w_t, coef in teacher or []]
         grad_h = torch.empty(N, H, dtype=dt, device=dev) if need_gh else None
         grad_w = torch.zeros(V, H, dtype=torch.promote_types(weight.dtype, dt), device=dev) if need_gw else None
-        logp_all, div_all, tlogp_all = (torch.zeros(N, dtype=dt, device=dev) for _ in range(3))
+        logp_all, div_all, tlogp_all, ent_all, mass_all = (torch.zeros(N, dtype=dt, device=dev) for _ in range(5))
         total = torch.zeros((), dtype=dt, device=dev)
         div_mask_cpu = div_mask.cpu()  # one host sync; per-chunk row lists are then free
         # One [chunk, V] logits buffer reused by every chunk (no allocation and, on CPU, no page
@@ -939,9 +953,12 @@ class _FusedTokenLoss(torch.autograd.Function):
                 log_norm = torch.logsumexp(z, 1)
                 s_all = z.sub_(log_norm[:, None])  # log-probs, needed over the whole vocab
                 p = s_all.exp()
+                ent_all[a:b] = -(p * s_all).sum(1)
             else:
                 p = z.exp_()  # unnormalised probs exp(z - max): p / exp(log_norm)
-                log_norm = p.sum(1).log()
+                p_sum = p.sum(1)
+                log_norm = p_sum.log()
+                ent_all[a:b] = log_norm - torch.xlogy(p, p).sum(1) / p_sum
             del z
             logp = z_y - z_max - log_norm
 
@@ -953,6 +970,7 @@ class _FusedTokenLoss(torch.autograd.Function):
                     t_k = zt_k - t_max[:, None] - t_log_norm[:, None]
                     d = _divergence(*_topk_buckets(s_k, t_k, tail), alpha)
                 div[d_idx] = d.detach()
+                mass_all[a + d_idx] = s_k.detach().exp().sum(1)
             elif nd and full:
                 d, ddiv_dz = _full_divergence_and_grad(s_all if all_div else s_all[d_idx], t, p if all_div else p[d_idx], alpha)
                 div[d_idx] = d
@@ -1015,7 +1033,7 @@ class _FusedTokenLoss(torch.autograd.Function):
         if need_gw:
             grad_w = grad_w.to(weight.dtype)
         ctx.grads = (grad_h, grad_w)
-        stats = (logp_all.float(), div_all.float(), tlogp_all.float())
+        stats = tuple(x.float() for x in (logp_all, div_all, tlogp_all, ent_all, mass_all))
         ctx.mark_non_differentiable(*stats)
         return (total,) + stats
 
@@ -1041,9 +1059,9 @@ def fused_token_loss(hidden, weight, tokens, loss_fn, teacher=None, div_rows=Non
     divergence maths stays fp32. Extra memory: ~one [chunk_size, V] fp32 buffer (two for "full")
     besides the weight gradient; on a GPU a larger chunk (512-1024) keeps the products efficient."""
     div_mask = _div_rows(hidden, teacher, div_rows)
-    loss, logp, div, tlogp = _FusedTokenLoss.apply(hidden, weight, tokens, loss_fn, teacher, div_mask, alpha, distill,
-                                                   topk, tail, temperature, chunk_size, matmul_dtype)
-    return loss, {"logp": logp, "div": div, "teacher_logp": tlogp}
+    loss, *stats = _FusedTokenLoss.apply(hidden, weight, tokens, loss_fn, teacher, div_mask, alpha, distill, topk, tail,
+                                         temperature, chunk_size, matmul_dtype)
+    return loss, dict(zip(("logp", "div", "teacher_logp", "entropy", "topk_mass"), stats))
 
 
 @torch.no_grad()
@@ -1142,8 +1160,8 @@ def loss_backward(model, batch, cfg, dev, teacher_model=None, initial_model=None
     autocast = functools.partial(torch.autocast, dev.type, dtype=amp) if amp else contextlib.nullcontext
     in_loss = [i for i, (p, d) in enumerate(zip(batch.pg_weight, batch.distill_weight)) if p.any() or d.any()]
     in_loss.sort(key=lambda i: len(batch.prompt_ids[i]) + len(batch.response_ids[i]), reverse=True)  # less padding
-    metrics = {"loss": 0.0, "div_sum": 0.0, "teacher_minus_student_sum": 0.0, "distill_tokens": 0,
-               "reference_s": 0.0, "teacher_s": 0.0, "student_s": 0.0}
+    metrics = dict.fromkeys(("loss", "reference_s", "teacher_s", "student_s") + TOKEN_SUMS, 0.0)
+    metrics["ratio_max"] = 0.0
     token_loss = fused_token_loss if cfg["fused_loss"] else naive_token_loss
     options = dict(chunk_size=loss_chunk_size(cfg, dev), matmul_dtype=amp) if cfg["fused_loss"] else {}
     temperature = 1.0 if cfg["algo"] == "sft" else cfg["temperature"]
@@ -1179,15 +1197,39 @@ def loss_backward(model, batch, cfg, dev, teacher_model=None, initial_model=None
                                  div_rows=div_rows if teacher else None, alpha=cfg["alpha"], distill=cfg["distill"],
                                  topk=cfg["topk"], tail=cfg["tail"], temperature=temperature, **options)
         loss.backward()
+        success = None if mb.rewards is None else torch.cat(
+            [torch.full((n,), r >= cfg["success_threshold"]) for n, r in zip(lengths, mb.rewards)]).to(dev)
+        sums = token_sums(stats, torch.cat(mb.old_logprobs).to(dev), div_rows, success, cfg)
+        values = torch.stack(sums + [loss.detach().float()]).tolist()  # one host sync per micro-batch
+        for k, v in zip(TOKEN_SUMS + ("ratio_max", "loss"), values):
+            metrics[k] = max(metrics[k], v) if k == "ratio_max" else metrics[k] + v
         metrics["reference_s"] += t1 - t0
         metrics["teacher_s"] += t2 - t1
         metrics["student_s"] += time.time() - t2
-        metrics["loss"] += loss.item()
-        if teacher:
-            metrics["div_sum"] += stats["div"][div_rows].sum().item()
-            metrics["teacher_minus_student_sum"] += (stats["teacher_logp"] - stats["logp"])[div_rows].sum().item()
-            metrics["distill_tokens"] += int(div_rows.sum())
     return metrics
+
+
+# The diagnostics RL users read, as sums over a step's tokens (log_iteration turns them into means):
+# the PPO / IS ratio exp(logp - old_logp) against the sampling policy (mean, max, fraction outside
+# the clip range, k3 estimate of KL(sampler ‖ current)), the student's entropy, and over distilled
+# tokens the divergence, the mass of the student's top-k, and the sampled log-ratio log q(y) - log p(y),
+# split by whether the response succeeded. (Its mean over tokens sampled from p estimates -KL(p‖q):
+# it is <= 0 whatever the teacher's quality; it says how far, not whether the teacher is better.)
+TOKEN_SUMS = ("tokens", "ratio_sum", "clipped", "kl_sampler_sum", "entropy_sum", "distill_tokens", "div_sum",
+              "topk_mass_sum", "logratio_ok_sum", "logratio_ok_n", "logratio_failed_sum", "logratio_failed_n")
+
+
+def token_sums(stats, old_logp, div_rows, success, cfg):
+    """TOKEN_SUMS and then the largest ratio, for one micro-batch (0-d tensors, no host sync)."""
+    log_ratio = stats["logp"] - old_logp
+    ratio = log_ratio.exp()
+    clipped = (ratio < 1 - cfg["clip_low"]) | (ratio > 1 + cfg["clip_high"])
+    logratio = (stats["teacher_logp"] - stats["logp"]) * div_rows
+    ok = div_rows & success if success is not None else torch.zeros_like(div_rows)
+    failed = div_rows & ~ok
+    return [ratio.new_tensor(float(len(ratio))), ratio.sum(), clipped.sum().float(), (ratio - 1 - log_ratio).sum(),
+            stats["entropy"].sum(), div_rows.sum().float(), (stats["div"] * div_rows).sum(), stats["topk_mass"].sum(),
+            (logratio * ok).sum(), ok.sum().float(), (logratio * failed).sum(), failed.sum().float(), ratio.max()]
 
 
 # ----------------------------------------------------------------------------- step
@@ -1210,7 +1252,8 @@ class Collapse(Exception):
 
 
 def optimizer_step(model, optimizer, grad_clip):
-    """Clip and step; refuse (raise Collapse) on a non-finite gradient."""
+    """Clip and step; raise Collapse on a non-finite gradient (no step taken) or when the step left
+    non-finite weights (an overflowing learning rate): sampling from them would fail next."""
     params = [p for p in model.parameters() if p.grad is not None]
     norm = torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip > 0 else float("inf"))
     if not torch.isfinite(norm):
@@ -1218,6 +1261,8 @@ def optimizer_step(model, optimizer, grad_clip):
         raise Collapse(f"gradient norm is {norm.item()}")
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+    if not torch.isfinite(torch.stack(torch._foreach_norm(list(model.parameters())))).all():
+        raise Collapse("the weights are not finite after the optimizer step (the update overflowed)")
     return norm.item()
 
 
@@ -1249,13 +1294,14 @@ def accuracy_summary(scores, ks=None, threshold=1.0):
 
 @torch.no_grad()
 def evaluate(model, tokenizer, tasks, *, n, temperature, top_p, max_new_tokens, batch_prompts, generator,
-             enable_thinking=False, success_threshold=1.0, progress=False, static=False, max_rows=0):
+             enable_thinking=False, success_threshold=1.0, progress=False, static=False, max_rows=0,
+             math_checker="builtin"):
     """Sample n responses per task; return mean@n, pass@n, mean length, and per-task scores/texts."""
     was_training = model.training
     model.eval()
     scores, texts, lengths = [], [], []
     eos_ids = stop_token_ids(model, tokenizer)
-    for start in tqdm(range(0, len(tasks), batch_prompts), desc="eval", disable=not progress, leave=False):
+    for start in tqdm(range(0, len(tasks), batch_prompts), desc="eval", disable=not progress, leave=False, file=sys.stdout):
         chunk = tasks[start:start + batch_prompts]
         prompts = [prompt_ids(tokenizer, t["messages"], enable_thinking) for t in chunk]
         out = generate(model, prompts, group_size=n, max_rows=max_rows, max_new_tokens=max_new_tokens,
@@ -1264,7 +1310,7 @@ def evaluate(model, tokenizer, tasks, *, n, temperature, top_p, max_new_tokens, 
         decoded = tokenizer.batch_decode(out.response_ids, skip_special_tokens=True)
         for i, task in enumerate(chunk):
             rows = range(i * n, (i + 1) * n)
-            scores.append([reward(task["kind"], decoded[r], task["answer"])[0] for r in rows])
+            scores.append([reward(task["kind"], decoded[r], task["answer"], math_checker)[0] for r in rows])
             texts.append([decoded[r] for r in rows])
             lengths.extend(len(out.response_ids[r]) for r in rows)
     model.train(was_training)
@@ -1272,60 +1318,20 @@ def evaluate(model, tokenizer, tasks, *, n, temperature, top_p, max_new_tokens, 
             "scores": scores, "texts": texts}
 
 
-def check_collapse(row, name, state, cfg):
-    """A collapse: for collapse_patience evals in a row, zero accuracy on the training set(s), or
-    responses that are (nearly) empty -- the signs of a policy that stopped answering."""
-    own = [n for n in name.split("+") if n in row]
-    dead = own and (max(row[n] for n in own) == 0 or max(state["eval_len"][n] for n in own) < 2)
-    state["zero_acc_evals"] = state["zero_acc_evals"] + 1 if dead else 0
-    if cfg["stop_on_collapse"] and state["zero_acc_evals"] >= cfg["collapse_patience"]:
-        raise Collapse(f"{name}: zero accuracy or empty responses for {state['zero_acc_evals']} evals in a row")
-
-
-# ----------------------------------------------------------------------------- checkpoints
-def save_checkpoint(path, model, tokenizer, optimizer, teacher_model, state, rng_tensors):
-    """An HF model folder plus trainer state, written to a temp folder and swapped in."""
-    tmp, old = path + ".tmp", path + ".old"
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp, safe_serialization=True)
-    tokenizer.save_pretrained(tmp)
-    opt = optimizer.state_dict()
-    tensors = {f"{i}.{k}": v.contiguous() for i, s in opt["state"].items() for k, v in s.items()}
-    save_file({**tensors, **{f"rng.{k}": v for k, v in rng_tensors.items()}}, os.path.join(tmp, "trainer_state.safetensors"))
-    if teacher_model is not None:
-        save_model(teacher_model, os.path.join(tmp, "teacher.safetensors"))
-    with open(os.path.join(tmp, "state.json"), "w") as f:
-        json.dump({**state, "param_groups": opt["param_groups"]}, f, indent=1)
-    if os.path.exists(path):
-        os.replace(path, old)
-    os.replace(tmp, path)
-    shutil.rmtree(old, ignore_errors=True)
-
-
-def load_trainer_state(path, optimizer, teacher_model):
-    """Inverse of save_checkpoint for the parts that are not the HF model: returns (state, rng tensors)."""
-    state_path = os.path.join(path, "state.json")
-    if not os.path.exists(state_path):
-        raise UserError(f"{path} is not a nanoSDPO checkpoint (no state.json): cannot resume; start with init_from=scratch or an HF model")
-    with open(state_path) as f:
-        state = json.load(f)
-    tensors = load_file(os.path.join(path, "trainer_state.safetensors"))
-    opt_state = {}
-    for key, value in tensors.items():
-        if not key.startswith("rng."):
-            i, name = key.split(".", 1)
-            opt_state.setdefault(int(i), {})[name] = value
-    optimizer.load_state_dict({"state": opt_state, "param_groups": state.pop("param_groups")})
-    if teacher_model is not None:
-        load_weights(teacher_model, os.path.join(path, "teacher.safetensors"))
-    return state, {k[4:]: v for k, v in tensors.items() if k.startswith("rng.")}
-
-
 # ----------------------------------------------------------------------------- runtime
 def pick_device(name):
+    """'auto' (CUDA when there is one), 'cpu', 'cuda' or 'cuda:N'; anything else is one line."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+    try:
+        dev = torch.device(name)
+    except RuntimeError:
+        dev = None
+    if dev is None or dev.type not in ("cpu", "cuda"):
+        raise UserError(f"device={name!r} is not supported: use 'auto', 'cpu', 'cuda' or 'cuda:N'")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise UserError(f"device={name!r} but this torch sees no CUDA GPU: use --device=cpu (or install a CUDA build)")
+    return dev
 
 
 def amp_dtype(dev, dtype_name):
@@ -1417,37 +1423,54 @@ class Dist:
 
 
 # ----------------------------------------------------------------------------- main
-def setup(cfg, ddp):
-    """Everything before the first iteration: data, model, teacher copies, optimizer, resumed
-    state, out_dir. Returns the run's objects."""
-    dev = ddp.device
+def setup(cfg, ddp, stack):
+    """Everything before the first iteration: data, model, teacher copies, optimizer, resumed state.
+    Every input is checked (config, data files, model, optional packages) before out_dir is touched,
+    and an earlier run's outputs are only replaced with --overwrite=True, after all checks."""
+    dev, out_dir = ddp.device, cfg["out_dir"]
+    ckpt_dir, resume = os.path.join(out_dir, "ckpt"), cfg["init_from"] == "resume"
     stages = parse_stages(cfg["stages"], cfg["dataset"], cfg["max_iters"])
-    eval_names = [s for s in cfg["eval_sets"].split(",") if s] or [n for name, _ in stages for n in name.split("+")]
-    eval_names = list(dict.fromkeys(eval_names))
-    # every data file of every stage and eval set is read and checked before anything else
-    train_tasks = {name: load_tasks(name, "train", cfg["data_dir"], need_solution=cfg["algo"] == "sft")
-                   for name, _ in stages}
+    eval_names = list(dict.fromkeys([s for s in cfg["eval_sets"].split(",") if s] or
+                                    [n for name, _ in stages for n in name.split("+")]))
+    train_tasks = {name: load_tasks(name, "train", cfg["data_dir"], need_solution=cfg["algo"] == "sft") for name, _ in stages}
     eval_tasks = {name: load_tasks(name, "test", cfg["data_dir"])[:cfg["eval_max_prompts"] or None] for name in eval_names}
-    wandb_run = None
     if cfg["wandb_log"] and ddp.master:
         try:
             import wandb  # optional: imported only when asked for
         except ImportError:
             raise UserError("wandb_log=True but wandb is not installed: pip install wandb") from None
-        wandb_run = wandb.init(project=cfg["wandb_project"], name=cfg["wandb_run_name"], config=cfg)
-    out_dir, ckpt_dir = cfg["out_dir"], os.path.join(cfg["out_dir"], "ckpt")
-    resume = cfg["init_from"] == "resume"
-    if resume and not os.path.exists(os.path.join(ckpt_dir, "state.json")):
-        raise UserError(f"init_from=resume but {ckpt_dir} is not a nanoSDPO checkpoint (no state.json): "
-                        "set out_dir to the run to continue")
+    if cfg["math_checker"] == "math_verify":
+        try:
+            import math_verify  # noqa: F401  (optional: imported only when asked for)
+        except ImportError:
+            raise UserError("math_checker=math_verify needs the math-verify package: pip install math-verify") from None
     state = {"iter": 0, "stage": 0, "stage_iter": 0, "zero_acc_evals": 0, "accuracy_matrix": None,
-             "base_init": cfg["init_from"]}
-    if resume:
-        with open(os.path.join(ckpt_dir, "state.json")) as f:
-            state["base_init"] = json.load(f)["base_init"]
+             "base_init": cfg["init_from"], "losses": [], "good": None}
     random.seed(cfg["seed"])
     torch.manual_seed(cfg["seed"])
-    model, tokenizer = load_model(ckpt_dir if resume else cfg["init_from"], cfg, dev)
+    if not resume:
+        model, tokenizer = load_model(cfg["init_from"], dev, scratch=cfg)
+        fit_prompts(train_tasks, eval_tasks, model, tokenizer, cfg, ddp)
+    if ddp.master:
+        stack.enter_context(checkpoint.locked(out_dir))  # from here on, this run owns out_dir
+        recovered = checkpoint.recover(ckpt_dir)
+        if recovered:
+            say(ddp, recovered)
+    ddp.barrier()
+    if resume:
+        saved = checkpoint.read_state(ckpt_dir)
+        state.update({k: v for k, v in saved.items() if k != "param_groups"})
+        checkpoint.check_resume(saved["config"], cfg, parse_stages(saved["config"]["stages"], saved["config"]["dataset"],
+                                saved["config"]["max_iters"]), stages, state)
+        model, tokenizer = load_model(ckpt_dir, dev, scratch=cfg)
+        fit_prompts(train_tasks, eval_tasks, model, tokenizer, cfg, ddp)
+    elif ddp.master and checkpoint.earlier_outputs(out_dir):
+        earlier = checkpoint.earlier_outputs(out_dir)
+        if not cfg["overwrite"]:
+            raise UserError(f"out_dir {out_dir} holds an earlier run ({', '.join(earlier)}): continue it with "
+                            "--init_from=resume, or replace it with --overwrite=True")
+        checkpoint.remove(out_dir, earlier)
+        say(ddp, f"--overwrite=True: removed the earlier run's {', '.join(earlier)} from {out_dir}")
     if not has_chat_template(tokenizer):
         say(ddp, f"note: {cfg['init_from']}'s tokenizer has no chat template: prompts are the messages' text, one per line")
     model.train()
@@ -1458,45 +1481,52 @@ def setup(cfg, ddp):
         cfg["teacher"] in ("frozen", "trust_region") or cfg["teacher_stage_reset"] == "initial"))
     initial_model = None
     if needs_initial:
-        initial_model = frozen_copy(load_model(state["base_init"], cfg, dev)[0] if resume else model)
+        initial_model = frozen_copy(load_model(state["base_init"], dev, scratch=cfg)[0] if resume else model)
     teacher_model = None
     if cfg["algo"] == "sdpo" and cfg["teacher"] in ("frozen", "ema"):
         teacher_model = frozen_copy(initial_model if initial_model is not None else model)
         if cfg["teacher_init"] and not resume:
             # θ_T ← (1 − a)·θ_T + a·θ_init: the EMA update's formula, applied once
-            ema_update(teacher_model, load_model(cfg["teacher_init"], cfg, dev)[0], cfg["teacher_init_alpha"])
+            ema_update(teacher_model, load_model(cfg["teacher_init"], dev, scratch=cfg)[0], cfg["teacher_init_alpha"])
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg["learning_rate"], betas=(cfg["beta1"], cfg["beta2"]),
                                   weight_decay=cfg["weight_decay"])
     generator = make_generator(cfg["seed"] + ddp.rank, dev)  # sampling and density masks, per rank
     data_rng = random.Random(cfg["seed"])  # the global prompt order, the same on every rank
     if resume:
-        saved, rng = load_trainer_state(ckpt_dir, optimizer, teacher_model)
-        state.update(saved)
+        rng = checkpoint.load_trainer(ckpt_dir, saved, model, optimizer, teacher_model)
         generator.set_state(rng[f"sampling.{ddp.rank}"])
         data_rng.setstate(tuple(tuple(x) if isinstance(x, list) else x for x in state["data_rng"]))
+        if ddp.master:
+            checkpoint.truncate_log(os.path.join(out_dir, "log.jsonl"), state["iter"])
         say(ddp, f"resumed from {ckpt_dir} at iteration {state['iter']} (stage {state['stage']}, step {state['stage_iter']})")
-    if ddp.master:
-        os.makedirs(out_dir, exist_ok=True)
-        if not resume:  # a fresh run replaces an earlier run's outputs (its checkpoint is overwritten anyway)
-            earlier_outputs = r"log\.jsonl|accuracy_matrix\.json|eval(_\w+)?\.(json|md|png)|stage\d+_.+"
-            stale = sorted(f for f in os.listdir(out_dir) if re.fullmatch(earlier_outputs, f))
-            for f in stale:
-                path = os.path.join(out_dir, f)
-                shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
-            if stale:
-                say(ddp, f"fresh run in {out_dir}: removed the earlier run's {', '.join(stale)}")
+    wandb_run = None
+    if cfg["wandb_log"] and ddp.master:
+        wandb_run = wandb.init(project=cfg["wandb_project"], name=cfg["wandb_run_name"], config=cfg)
     return dict(stages=stages, eval_names=eval_names, train_tasks=train_tasks, eval_tasks=eval_tasks,
                 wandb=wandb_run, ckpt_dir=ckpt_dir, state=state, model=model, tokenizer=tokenizer,
                 initial_model=initial_model, teacher_model=teacher_model, optimizer=optimizer, generator=generator,
                 data_rng=data_rng, amp=amp_dtype(dev, cfg["dtype"]))
 
 
-def load_model(init, cfg, dev):
-    """models.load_model in fp32 (the optimizer's master weights), its errors as one-line UserErrors."""
-    try:
-        return models.load_model(init, dev, torch.float32, scratch=cfg)
-    except ModelError as e:
-        raise UserError(str(e)) from None
+def fit_prompts(train_tasks, eval_tasks, model, tokenizer, cfg, ddp):
+    """Check the lengths against the model's context, and leave out (counting them) the prompts
+    longer than max_prompt_len tokens; a prompt far longer in characters is left out without being
+    tokenized at all (bounded time on any input)."""
+    context = context_length(model) or float("inf")
+    cap = cfg["max_prompt_len"] or context - cfg["max_new_tokens"]
+    if cap <= 0 or cap + cfg["max_new_tokens"] > context:
+        raise UserError(f"max_prompt_len={cfg['max_prompt_len']} + max_new_tokens={cfg['max_new_tokens']} exceeds the "
+                        f"model's context of {context} tokens: lower them")
+    for sets in (train_tasks, eval_tasks):
+        for name, tasks in sets.items():
+            kept = [t for t in tasks if sum(len(m["content"]) for m in t["messages"]) <= 64 * cap
+                    and len(prompt_ids(tokenizer, t["messages"], cfg["enable_thinking"])) <= cap]
+            if len(kept) < len(tasks):
+                say(ddp, f"{name}: left out {len(tasks) - len(kept)} of {len(tasks)} prompts longer than {cap} tokens")
+            if not kept:
+                raise UserError(f"{name}: every prompt is longer than {cap} tokens: raise max_prompt_len (or use a model "
+                                "with a longer context)")
+            sets[name] = kept
 
 
 def say(ddp, *args):
@@ -1514,17 +1544,26 @@ def log(run, cfg, ddp, record):
 
 
 def log_iteration(run, cfg, ddp, stage_desc, record, rollout_metrics, loss_metrics):
-    """Add the rollout metrics (mean over ranks) and the loss pieces (sums over ranks) to the
-    record, log it, and print one line."""
+    """Add the rollout metrics (mean over ranks) and the step's token diagnostics (TOKEN_SUMS, over
+    every rank's tokens) to the record, log it, and print one line."""
     keys = sorted(rollout_metrics)
-    pieces = ("loss", "div_sum", "teacher_minus_student_sum", "distill_tokens")
-    sums = ddp.global_sum([rollout_metrics[k] for k in keys] + [loss_metrics[k] for k in pieces])
+    sums = ddp.global_sum([rollout_metrics[k] for k in keys] + [loss_metrics[k] for k in ("loss",) + TOKEN_SUMS])
     record.update({k: v / ddp.world for k, v in zip(keys, sums)})
     record["tokens"] *= ddp.world
-    loss, div_sum, tms_sum, distill_tokens = sums[len(keys):]
-    record["loss"] = loss
-    if distill_tokens:
-        record.update(div=div_sum / distill_tokens, teacher_minus_student=tms_sum / distill_tokens)
+    t = dict(zip(("loss",) + TOKEN_SUMS, sums[len(keys):]))
+    record["loss"] = t["loss"]
+    if cfg["algo"] != "sft" and t["tokens"]:
+        record.update(ratio_mean=t["ratio_sum"] / t["tokens"], ratio_max=max(ddp.gather(loss_metrics["ratio_max"])),
+                      clip_frac=t["clipped"] / t["tokens"], kl_sampler=t["kl_sampler_sum"] / t["tokens"],
+                      entropy=t["entropy_sum"] / t["tokens"])
+    if t["distill_tokens"]:
+        record.update(div=t["div_sum"] / t["distill_tokens"], sampled_logratio=(t["logratio_ok_sum"] + t["logratio_failed_sum"])
+                      / t["distill_tokens"])
+        if cfg["distill"] == "topk":
+            record["topk_mass"] = t["topk_mass_sum"] / t["distill_tokens"]
+        for part in ("ok", "failed"):
+            if t[f"logratio_{part}_n"]:
+                record[f"sampled_logratio_{part}"] = t[f"logratio_{part}_sum"] / t[f"logratio_{part}_n"]
     record.update({k: loss_metrics[k] for k in ("reference_s", "teacher_s", "student_s")})
     log(run, cfg, ddp, record)
     shown = " | ".join(f"{k} {record[k]:.4g}" for k in ("loss", "reward", "acc", "resp_len", "div", "peer_frac") if k in record)
@@ -1532,31 +1571,98 @@ def log_iteration(run, cfg, ddp, stage_desc, record, rollout_metrics, loss_metri
         + (f" | gen {record['gen_s']:.2f}s" if "gen_s" in record else "") + f" train {record['train_s']:.2f}s")
 
 
+STUCK_ITERS = 5  # iterations in a row before "nothing is learning" is said out loud
+
+
+def warn_if_stuck(record, state, cfg, ddp):
+    """The most common silent failure of GRPO / SDPO runs: training on nothing. Say so, once per
+    episode, naming the cause and the knob that helps."""
+    signs = {
+        "zero_signal_groups": (record.get("zero_signal_groups") == 1, "every group's rewards were equal, so GRPO had no "
+                               "signal: raise group_size, or use a dataset this model solves sometimes"),
+        "peer_frac": (cfg["algo"] == "sdpo" and record.get("peer_frac") == 0, "no response had a successful peer, so "
+                      "SDPO had no teacher: lower success_threshold, raise group_size, or set use_feedback=True"),
+        "truncated": (record.get("truncated") == 1, "every response hit max_new_tokens before an EOS: raise max_new_tokens"),
+    }
+    for key, (bad, advice) in signs.items():
+        state["stuck"][key] = state["stuck"].get(key, 0) + 1 if bad else 0
+        if state["stuck"][key] == STUCK_ITERS:
+            say(ddp, f"warning: for {STUCK_ITERS} iterations in a row {advice}")
+
+
 def run_eval(run, cfg, ddp, tag):
-    """Score every eval set (tasks sharded over ranks); returns {set: mean@n}."""
+    """Score every eval set (tasks sharded over ranks), log one record with a key per set
+    (eval/<set>/mean@n, so wandb keeps every curve), and return {set: mean@n}."""
     model, tokenizer, state, n = run["model"], run["tokenizer"], run["state"], cfg["eval_n"]
     eval_gen = make_generator(cfg["seed"] + 1 + ddp.rank, ddp.device)  # the same samples each time: comparable
     autocast = make_autocast(ddp.device, cfg["dtype"])
-    row, state["eval_len"] = {}, {}
+    row, record, state["eval_len"] = {}, {"iter": state["iter"], "eval_tag": tag}, {}
     for name, tasks in run["eval_tasks"].items():
         with autocast():
             res = evaluate(model, tokenizer, tasks[ddp.rank::ddp.world], n=n, temperature=cfg["eval_temperature"],
                            top_p=cfg["eval_top_p"], max_new_tokens=cfg["max_new_tokens"],
                            batch_prompts=max(1, cfg["batch_prompts"] * cfg["group_size"] // n), generator=eval_gen,
                            enable_thinking=cfg["enable_thinking"], success_threshold=cfg["success_threshold"],
-                           static=use_static_rollout(cfg["static_rollout"], ddp.device), max_rows=cfg["gen_batch_size"])
+                           static=use_static_rollout(cfg["static_rollout"], ddp.device), max_rows=cfg["gen_batch_size"],
+                           progress=ddp.master, math_checker=cfg["math_checker"])
         parts = ddp.gather((res["scores"], res["mean_len"] * n * len(res["scores"])))
         scores = [row_scores for p in parts for row_scores in p[0]]
         acc = accuracy_summary(scores, threshold=cfg["success_threshold"])
         row[name] = acc[f"mean@{n}"]
         state["eval_len"][name] = sum(p[1] for p in parts) / (n * len(scores))
-        log(run, cfg, ddp, {"iter": state["iter"], "eval": name, "tag": tag, **acc, "mean_len": state["eval_len"][name]})
+        record.update({f"eval/{name}/{k}": v for k, v in acc.items()}, **{f"eval/{name}/mean_len": state["eval_len"][name]})
+    log(run, cfg, ddp, record)
     say(ddp, f"eval @ iter {state['iter']} ({tag}): " + ", ".join(f"{k} mean@{n} {v:.3f}" for k, v in row.items()))
     return row
 
 
-def checkpoint(run, cfg, ddp):
-    """Save model, optimizer, teacher, every rank's sampling RNG and the data order (rank 0 writes)."""
+def log_samples(run, cfg, ddp, batch, tasks, k=4):
+    """A few of the last training batch's rollouts (prompt, response, reward, teacher prompt) to
+    out_dir/samples.jsonl: what the policy writes, and what its teacher reads."""
+    if not (ddp.master and batch is not None and batch.texts):
+        return
+    decode = functools.partial(run["tokenizer"].decode, skip_special_tokens=False)
+    with open(os.path.join(cfg["out_dir"], "samples.jsonl"), "a") as f:
+        for i in range(min(k, len(batch.texts))):
+            teacher = batch.teacher_prompt_ids[i] if batch.teacher_prompt_ids else None
+            f.write(json.dumps({"iter": run["state"]["iter"], "prompt": decode(batch.prompt_ids[i]),
+                                "response": batch.texts[i], "reward": batch.rewards[i],
+                                "answer": tasks[i // cfg["group_size"]]["answer"],
+                                "teacher_prompt": decode(teacher) if teacher else None}) + "\n")
+
+
+def check_health(row, name, state, cfg):
+    """The collapse guard: for collapse_patience evals in a row, zero accuracy on the training set(s)
+    after they had been solved sometimes, or (nearly) empty responses -- a policy that stopped
+    answering. A healthy eval makes the checkpoint that follows it the run's last good one."""
+    own = [n for n in name.split("+") if n in row]
+    best = state.setdefault("best", {})
+    dead = own and ((max(row[n] for n in own) == 0 and max(best.get(n, 0) for n in own) > 0)
+                    or max(state["eval_len"][n] for n in own) < 2)
+    best.update({n: max(best.get(n, 0), v) for n, v in row.items()})
+    state["zero_acc_evals"] = state["zero_acc_evals"] + 1 if dead else 0
+    state["healthy_at"] = None if dead else {"iter": state["iter"], "acc": row}
+    if cfg["stop_on_collapse"] and state["zero_acc_evals"] >= cfg["collapse_patience"]:
+        raise Collapse(f"{name}: zero accuracy or empty responses for {state['zero_acc_evals']} evals in a row")
+
+
+RUNAWAY = 10  # a loss this many times its running median (+1) means the run diverged
+
+
+def check_step(loss, state):
+    """Divergence the eval guard would see too late: a non-finite loss, or one far above its running
+    median (the last 20 iterations)."""
+    if not math.isfinite(loss):
+        raise Collapse(f"loss is {loss}")
+    recent = state["losses"][-20:]
+    if len(recent) >= 10 and abs(loss) > RUNAWAY * statistics.median(map(abs, recent)) + 1:
+        raise Collapse(f"loss {loss:.4g} is far above its running median {statistics.median(recent):.4g} (diverging)")
+    state["losses"] = recent + [loss]
+
+
+def save_checkpoint(run, cfg, ddp):
+    """Save model, optimizer, teacher, every rank's sampling RNG and the data order (rank 0 writes);
+    after a healthy eval at this iteration, ckpt_good/ becomes this checkpoint too."""
     model, state = run["model"], run["state"]
     # ranks must hold identical weights (same init, same all-reduced steps): check cheaply
     sums = ddp.gather(sum(p.detach().double().sum().item() for p in model.parameters()))
@@ -1565,10 +1671,15 @@ def checkpoint(run, cfg, ddp):
         if len(set(sums)) > 1:
             raise UserError(f"ranks diverged: parameter sums {sums}")
     rng_states = ddp.gather(run["generator"].get_state())
+    healthy = (state.get("healthy_at") or {}).get("iter") == state["iter"]
+    if healthy:
+        state["good"] = state["healthy_at"]
     if ddp.master:
         state["data_rng"] = run["data_rng"].getstate()
-        save_checkpoint(run["ckpt_dir"], model, run["tokenizer"], run["optimizer"], run["teacher_model"],
-                        {**state, "config": cfg}, {f"sampling.{r}": g for r, g in enumerate(rng_states)})
+        checkpoint.save(run["ckpt_dir"], model, run["tokenizer"], run["optimizer"], run["teacher_model"],
+                        {**state, "config": cfg}, {f"sampling.{r}": g for r, g in enumerate(rng_states)}, cfg["save_dtype"])
+        if healthy:
+            checkpoint.keep_as_good(run["ckpt_dir"], run["ckpt_dir"] + "_good")
     ddp.barrier()
 
 
@@ -1585,6 +1696,7 @@ def end_stage(run, cfg, ddp, stage, name):
     """A row of the accuracy matrix (every eval set), a model snapshot, a checkpoint."""
     state = run["state"]
     row = run_eval(run, cfg, ddp, f"end of stage {stage + 1}")
+    check_health(row, name, state, cfg)
     state["accuracy_matrix"]["stages"].append(name)
     state["accuracy_matrix"]["rows"].append([row[s] for s in run["eval_names"]])
     if ddp.master:
@@ -1592,10 +1704,19 @@ def end_stage(run, cfg, ddp, stage, name):
             json.dump(state["accuracy_matrix"], f, indent=1)
         if len(run["stages"]) > 1:
             snap = os.path.join(cfg["out_dir"], f"stage{stage + 1}_{name.replace('/', '_').replace('+', '_')}")
-            run["model"].save_pretrained(snap, safe_serialization=True)
+            run["model"].save_pretrained(snap)
             run["tokenizer"].save_pretrained(snap)
     state["stage"], state["stage_iter"] = stage + 1, 0
-    checkpoint(run, cfg, ddp)
+    save_checkpoint(run, cfg, ddp)
+
+
+def collapse_message(run, cfg, error):
+    """Where the run stopped and which checkpoint to go back to, truthfully."""
+    state, good = run["state"], run["state"]["good"]
+    where = (f"{run['ckpt_dir']}_good (iteration {good['iter']}, eval "
+             + ", ".join(f"{k} {v:.3f}" for k, v in good["acc"].items()) + ")") if good else \
+        f"none: no checkpoint passed the guard yet (the run started from {state['base_init']})"
+    return f"training stopped after {state['iter']} iterations: {error}. The last checkpoint that passed the collapse guard: {where}"
 
 
 def main(cfg):
@@ -1603,65 +1724,73 @@ def main(cfg):
     ddp = Dist(cfg["device"])
     if cfg["batch_prompts"] % ddp.world:
         raise UserError(f"batch_prompts={cfg['batch_prompts']} must be divisible by the {ddp.world} ranks")
-    run = setup(cfg, ddp)
+    with contextlib.ExitStack() as stack:  # holds out_dir's lock until the run ends, however it ends
+        run = setup(cfg, ddp, stack)
+        try:
+            train_loop(run, cfg, ddp)
+        except Collapse as e:
+            raise UserError(collapse_message(run, cfg, e)) from None
+    say(ddp, f"done: {run['state']['iter']} iterations; model in {run['ckpt_dir']}")
+    if ddp.world > 1:
+        dist.destroy_process_group()
+
+
+def train_loop(run, cfg, ddp):
     model, optimizer, state, dev = run["model"], run["optimizer"], run["state"], ddp.device
     total_iters = sum(iters for _, iters in run["stages"])
     share = cfg["batch_prompts"] // ddp.world
     autocast = make_autocast(dev, cfg["dtype"])
+    batch, my_tasks, state["stuck"] = None, None, {}
     if state["iter"] == 0:
         state["accuracy_matrix"] = {"eval_sets": run["eval_names"], "stages": [], "rows": [],
                                     "base": run_eval(run, cfg, ddp, "start")}
-    try:
-        for stage in range(state["stage"], len(run["stages"])):
-            name, iters = run["stages"][stage]
-            tasks = run["train_tasks"][name]
-            if stage > 0 and state["stage_iter"] == 0:
-                start_stage(run, cfg)
-            stage_desc = f"stage {stage + 1}/{len(run['stages'])} {name}" if len(run["stages"]) > 1 else name
-            while state["stage_iter"] < iters:
-                t0 = time.time()
-                lr = set_lr(optimizer, state["iter"], cfg["learning_rate"], cfg["warmup_iters"], total_iters,
-                            cfg["decay_lr"], cfg["min_lr"])
-                # this step's prompts: the same global batch on every rank, whole groups per rank
-                step_tasks = [run["data_rng"].choice(tasks) for _ in range(cfg["batch_prompts"])]
-                my_tasks = step_tasks[ddp.rank * share:(ddp.rank + 1) * share]
-                # rollout, reward, advantages, teacher context, loss weights
-                batch, rollout_metrics = build_batch(my_tasks, model, run["tokenizer"], cfg, run["generator"], dev,
-                                                     autocast, ddp.global_sum)
-                t1 = time.time()
-                # student (and teacher) forward and backward, in micro-batches
-                loss_metrics = loss_backward(model, batch, cfg, dev, run["teacher_model"], run["initial_model"], run["amp"])
-                if not math.isfinite(loss_metrics["loss"]):
-                    raise Collapse(f"loss is {loss_metrics['loss']}")
-                ddp.all_reduce_grads(model)
-                t2 = time.time()
-                # optimizer step, then the EMA teacher follows the student
-                grad_norm = optimizer_step(model, optimizer, cfg["grad_clip"])
-                if run["teacher_model"] is not None and cfg["teacher"] == "ema":
-                    ema_update(run["teacher_model"], model, cfg["teacher_rate"])  # identical on every rank
-                t3 = time.time()
-                state["iter"] += 1
-                state["stage_iter"] += 1
-                # log
-                record = {"iter": state["iter"], "stage": name, "lr": lr, "grad_norm": grad_norm,
-                          "optimizer_s": t3 - t2, "train_s": t3 - t1, "iter_s": t3 - t0}
-                log_iteration(run, cfg, ddp, stage_desc, record, rollout_metrics, loss_metrics)
-                # periodic eval (with the collapse guard) and checkpoint; the end of a stage has its own
-                last = state["stage_iter"] == iters
-                if not last and cfg["eval_interval"] and state["stage_iter"] % cfg["eval_interval"] == 0:
-                    check_collapse(run_eval(run, cfg, ddp, "periodic"), name, state, cfg)
-                    if not cfg["save_interval"]:
-                        checkpoint(run, cfg, ddp)
-                if cfg["save_interval"] and state["iter"] % cfg["save_interval"] == 0 and not last:
-                    checkpoint(run, cfg, ddp)
-            # end of stage: a row of the accuracy matrix, a snapshot, a checkpoint
-            end_stage(run, cfg, ddp, stage, name)
-    except Collapse as e:
-        raise UserError(f"training stopped at iteration {state['iter']}: {e}. The last good checkpoint is "
-                        f"{run['ckpt_dir']}" + ("" if os.path.isdir(run["ckpt_dir"]) else " (none was written yet)")) from None
-    say(ddp, f"done: {state['iter']} iterations; model in {run['ckpt_dir']}")
-    if ddp.world > 1:
-        dist.destroy_process_group()
+        state["best"] = dict(state["accuracy_matrix"]["base"])
+    for stage in range(state["stage"], len(run["stages"])):
+        name, iters = run["stages"][stage]
+        tasks = run["train_tasks"][name]
+        if stage > 0 and state["stage_iter"] == 0:
+            start_stage(run, cfg)
+        stage_desc = f"stage {stage + 1}/{len(run['stages'])} {name}" if len(run["stages"]) > 1 else name
+        while state["stage_iter"] < iters:
+            t0 = time.time()
+            lr = set_lr(optimizer, state["iter"], cfg["learning_rate"], cfg["warmup_iters"], total_iters,
+                        cfg["decay_lr"], cfg["min_lr"])
+            # this step's prompts: the same global batch on every rank, whole groups per rank
+            step_tasks = [run["data_rng"].choice(tasks) for _ in range(cfg["batch_prompts"])]
+            my_tasks = step_tasks[ddp.rank * share:(ddp.rank + 1) * share]
+            # rollout, reward, advantages, teacher context, loss weights
+            batch, rollout_metrics = build_batch(my_tasks, model, run["tokenizer"], cfg, run["generator"], dev,
+                                                 autocast, ddp.global_sum)
+            t1 = time.time()
+            # student (and teacher) forward and backward, in micro-batches; a diverging loss stops the run
+            loss_metrics = loss_backward(model, batch, cfg, dev, run["teacher_model"], run["initial_model"], run["amp"])
+            check_step(loss_metrics["loss"], state)
+            ddp.all_reduce_grads(model)
+            t2 = time.time()
+            # optimizer step, then the EMA teacher follows the student
+            grad_norm = optimizer_step(model, optimizer, cfg["grad_clip"])
+            if run["teacher_model"] is not None and cfg["teacher"] == "ema":
+                ema_update(run["teacher_model"], model, cfg["teacher_rate"])  # identical on every rank
+            t3 = time.time()
+            state["iter"] += 1
+            state["stage_iter"] += 1
+            # log
+            record = {"iter": state["iter"], "stage": name, "lr": lr, "grad_norm": grad_norm,
+                      "optimizer_s": t3 - t2, "train_s": t3 - t1, "iter_s": t3 - t0}
+            log_iteration(run, cfg, ddp, stage_desc, record, rollout_metrics, loss_metrics)
+            warn_if_stuck(record, state, cfg, ddp)
+            # periodic eval (the collapse guard) and checkpoint; the end of a stage has its own
+            last = state["stage_iter"] == iters
+            if not last and cfg["eval_interval"] and state["stage_iter"] % cfg["eval_interval"] == 0:
+                log_samples(run, cfg, ddp, batch, my_tasks)
+                check_health(run_eval(run, cfg, ddp, "periodic"), name, state, cfg)
+                if not cfg["save_interval"]:
+                    save_checkpoint(run, cfg, ddp)
+            if cfg["save_interval"] and state["iter"] % cfg["save_interval"] == 0 and not last:
+                save_checkpoint(run, cfg, ddp)
+        # end of stage: a row of the accuracy matrix, a snapshot, a checkpoint
+        log_samples(run, cfg, ddp, batch, my_tasks)
+        end_stage(run, cfg, ddp, stage, name)
 
 
 if __name__ == "__main__":

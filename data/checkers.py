@@ -140,6 +140,21 @@ def check_math(response, answer):
     return 0.0, f"Your final answer {_clip_text(pred)} is wrong."
 
 
+def check_math_verify(response, answer):
+    """check_math with HF's math-verify deciding the equivalence (math_checker='math_verify'; pip
+    install math-verify): the same final answer (the last \\boxed{}) and the same feedback, but both
+    sides parsed to sympy. Slower (milliseconds, not microseconds) and stricter on some formats."""
+    from math_verify import parse, verify  # optional: imported only when asked for
+    pred, status = _last_boxed(response)
+    if status == "unclosed":
+        return 0.0, TRUNCATED_FEEDBACK
+    if not pred or not pred.strip():
+        return 0.0, "No final answer found: put it in \\boxed{}."
+    if verify(parse(f"\\boxed{{{answer}}}"), parse(f"\\boxed{{{pred}}}")):
+        return 1.0, None
+    return 0.0, f"Your final answer {_clip_text(pred)} is wrong."
+
+
 _REWRITES = {"\u2212": "-", "\u2013": "-", "\u03c0": "\\pi", "\u221a": "\\sqrt", "\u00d7": "\\times",
             "\u00b7": "\\cdot", "\u00f7": "\\div", "\u221e": "\\infty", "\u00b0": "", "\u00a0": " ",
             "\u222a": "\\cup", "\\lbrace": "\\{", "\\rbrace": "\\}", "\\dfrac": "\\frac",

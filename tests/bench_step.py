@@ -47,6 +47,7 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+import models  # noqa: E402
 import train  # noqa: E402
 from configurator import config_keys  # noqa: E402
 
@@ -219,7 +220,7 @@ def main():
     random.seed(args.seed)
     torch.manual_seed(args.seed)
     try:
-        base, tokenizer = train.load_model(args.init_from, cfg, dev)
+        base, tokenizer = models.load_model(args.init_from, dev, scratch=cfg)
         tasks = train.load_tasks(args.dataset, "train", cfg["data_dir"])
         n_ctx = sum(str(t.get("id", "")).endswith("-ctx") for t in tasks)
         if args.no_ctx:

@@ -29,7 +29,7 @@ def toy_data():
 def run_train(*args, check=True, env=None):
     """Run `python train.py args...` from the repo root; returns the CompletedProcess."""
     proc = subprocess.run([sys.executable, "train.py", *args], cwd=ROOT, capture_output=True, text=True, timeout=600,
-                          env=dict(os.environ, **(env or {})))
+                          env=dict(os.environ, HF_HUB_OFFLINE="1", **(env or {})))  # no hub retries in tests
     if check and proc.returncode != 0:
         raise AssertionError(f"train.py {' '.join(args)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     return proc

@@ -18,7 +18,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def curve(out_dir, dataset):
     with open(os.path.join(out_dir, "log.jsonl")) as f:
         rows = [json.loads(line) for line in f]
-    return {r["iter"]: r["mean@4"] for r in rows if r.get("eval") == dataset}
+    return {r["iter"]: r[f"eval/{dataset}/mean@4"] for r in rows if f"eval/{dataset}/mean@4" in r}
 
 
 if __name__ == "__main__":
@@ -31,7 +31,7 @@ if __name__ == "__main__":
     curves = {}
     for algo in ("grpo", "sdpo"):
         out = os.path.join(args.out_root, f"{algo}_{args.dataset.replace('/', '_')}_s{args.seed}")
-        if not os.path.exists(os.path.join(out, "ckpt", "state.json")):
+        if not os.path.exists(os.path.join(out, "ckpt", "trainer", "state.json")):
             cmd = [sys.executable, "train.py", f"config/{algo}_toy.py", f"--dataset={args.dataset}",
                    f"--seed={args.seed}", f"--out_dir={out}", *args.extra]
             print("+", " ".join(cmd), flush=True)

@@ -29,6 +29,7 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+import models  # noqa: E402
 import train  # noqa: E402
 from configurator import config_keys  # noqa: E402
 
@@ -108,7 +109,7 @@ def main():
         if args.init_from != "scratch" and not os.path.exists(os.path.join(args.init_from, "config.json")):
             raise train.UserError(f"{args.init_from} is not a model folder: train the toy base first "
                                   "(python train.py config/toy_base.py) or pass --init_from=scratch")
-        model, tokenizer = train.load_model(args.init_from, cfg, dev)
+        model, tokenizer = models.load_model(args.init_from, dev, scratch=cfg)
         domains = [d for d in args.domains.split(",") if d]
         all_tasks = {d: train.load_tasks(f"toy/{d}", "test", cfg["data_dir"])[:args.n_prompts] for d in domains}
     except train.UserError as e:

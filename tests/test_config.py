@@ -8,6 +8,7 @@ from conftest import ROOT, defaults, run_train
 import pytest
 import torch
 
+import models
 import train
 
 
@@ -129,7 +130,7 @@ def test_resume_from_something_that_is_not_a_checkpoint(tmp_path, toy_data):
 
 def test_missing_model_folder_is_one_clear_error():
     with pytest.raises(train.UserError, match="not found"):
-        train.load_model("out/no_such_run/ckpt", defaults(), None)
+        models.load_model("out/no_such_run/ckpt", None, scratch=defaults())
 
 
 def config_file_error(tmp_path, text, name="cfg.py"):

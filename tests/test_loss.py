@@ -219,11 +219,12 @@ def test_fused_matches_naive(dtype, rtol, alpha, distill, tail):
     assert abs(lf.item() - ln.item()) <= rtol * row_terms.abs().sum().item(), (lf, ln)
     assert_rel(ghf, ghn, rtol, "grad hidden")
     assert_rel(gwf, gwn, rtol, "grad weight")
-    for key in ("logp", "div", "teacher_logp"):
+    for key in ("logp", "div", "teacher_logp", "entropy", "topk_mass"):  # the last two: diagnostics
         assert sf[key].dtype == torch.float32 and not sf[key].requires_grad
         assert_rel(sf[key], sn[key], max(rtol, 1e-6), key)
     # rows outside div_rows: no divergence, no teacher log-prob
     assert (sf["div"][~C["mask"]] == 0).all() and (sf["teacher_logp"][~C["mask"]] == 0).all()
+    assert (sf["entropy"] > 0).all() and ((sf["topk_mass"] > 0) == (C["mask"] & (distill == "topk"))).all()
     if distill == "token":
         m = C["mask"]
         torch.testing.assert_close(sf["div"][m], sf["logp"][m] - sf["teacher_logp"][m])

@@ -7,6 +7,7 @@ import torch
 
 from conftest import TINY, defaults, read_log, run_train
 
+import models
 import train
 
 
@@ -14,7 +15,7 @@ def tiny_setup(toy_data, algo, **overrides):
     cfg = dict(defaults(), algo=algo, tokenizer_path=os.path.join(toy_data, "toy", "tokenizer"), n_layer=1, n_head=2,
                n_embd=32, block_size=128, micro_batch_size=3, topk=10, loss_chunk=7)
     cfg.update(overrides)
-    model, tokenizer = train.load_model("scratch", cfg, torch.device("cpu"))
+    model, tokenizer = models.load_model("scratch", torch.device("cpu"), scratch=cfg)
     return cfg, model, tokenizer
 
 
@@ -111,15 +112,21 @@ def test_memory_knobs_run_end_to_end(toy_data, tmp_path):
     assert steps[0]["tokens"] > 0 and steps[0]["peer_frac"] == 1.0  # every response had a peer: the teacher ran
 
 
-def test_a_fresh_run_replaces_an_earlier_runs_outputs(toy_data, tmp_path):
-    """Rerunning into the same out_dir must not append to the old log or leave its stage snapshots
-    and eval reports behind (eval.py would read them as this run's); other files stay."""
+def test_a_fresh_run_into_an_earlier_run_refuses_unless_told_to_overwrite(toy_data, tmp_path):
+    """Rerunning into the same out_dir must neither destroy the earlier run by default nor leave its
+    stage snapshots and eval reports behind when told to replace it (eval.py would read them as
+    this run's); other files always stay."""
     out = tmp_path / "run"
     (out / "stage7_toy_mul").mkdir(parents=True)
     (out / "log.jsonl").write_text(json.dumps({"iter": 999, "loss": 1.0}) + "\n")
     (out / "eval.json").write_text("{}")
     (out / "notes.txt").write_text("mine")
-    proc = run_train("config/grpo_toy.py", *TINY, "--init_from=scratch", f"--out_dir={out}", "--max_iters=2", "--device=cpu")
+    args = ("config/grpo_toy.py", *TINY, "--init_from=scratch", f"--out_dir={out}", "--max_iters=2", "--device=cpu")
+    proc = run_train(*args, check=False)
+    assert proc.returncode != 0 and len(proc.stderr.strip().splitlines()) == 1
+    assert "--init_from=resume" in proc.stderr and "--overwrite=True" in proc.stderr
+    assert (out / "log.jsonl").read_text().startswith('{"iter": 999') and (out / "stage7_toy_mul").exists()
+    proc = run_train(*args, "--overwrite=True")
     assert "removed the earlier run's" in proc.stdout
     assert [r["iter"] for r in read_log(out) if "loss" in r] == [1, 2]
     assert not (out / "stage7_toy_mul").exists() and not (out / "eval.json").exists()
@@ -162,9 +169,9 @@ def test_collapse_guard_stops_on_nan_and_keeps_a_loadable_checkpoint(toy_data, t
         return dict(metrics, loss=float("nan")) if len(calls) == 3 else metrics
 
     monkeypatch.setattr(train, "loss_backward", poisoned)
-    with pytest.raises(train.UserError, match="iteration 2: loss is nan"):
+    with pytest.raises(train.UserError, match="after 2 iterations: loss is nan"):
         train.main(cfg)
-    with open(tmp_path / "ckpt" / "state.json") as f:
+    with open(tmp_path / "ckpt" / "trainer" / "state.json") as f:
         assert json.load(f)["iter"] == 2
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt")
@@ -200,19 +207,22 @@ def test_density_one_distills_every_token_of_every_response_with_a_peer(toy_data
 
 def test_collapse_guard_on_zero_accuracy_or_empty_responses():
     cfg = dict(defaults(), collapse_patience=2)
-    state = {"zero_acc_evals": 0, "eval_len": {"a": 5.0, "b": 5.0}}
-    train.check_collapse({"a": 0.0, "b": 0.5}, "a", state, cfg)  # one bad eval: not yet
+    state = {"iter": 0, "zero_acc_evals": 0, "eval_len": {"a": 5.0, "b": 5.0}, "best": {"a": 0.4}}
+    train.check_health({"a": 0.0, "b": 0.5}, "a", state, cfg)  # one bad eval: not yet
     with pytest.raises(train.Collapse, match="2 evals"):
-        train.check_collapse({"a": 0.0, "b": 0.5}, "a", state, cfg)
-    state = {"zero_acc_evals": 0, "eval_len": {"a": 1.0}}
-    train.check_collapse({"a": 0.3}, "a", state, cfg)  # accurate but empty: counts
+        train.check_health({"a": 0.0, "b": 0.5}, "a", state, cfg)
+    never = {"iter": 0, "zero_acc_evals": 0, "eval_len": {"a": 5.0}, "best": {"a": 0.0}}
+    for _ in range(3):  # zero from the start (a scratch model) is not a collapse: nothing was lost
+        train.check_health({"a": 0.0}, "a", never, cfg)
+    state = {"iter": 0, "zero_acc_evals": 0, "eval_len": {"a": 1.0}}
+    train.check_health({"a": 0.3}, "a", state, cfg)  # accurate but empty: counts
     assert state["zero_acc_evals"] == 1
     state["eval_len"]["a"] = 9.0
-    train.check_collapse({"a": 0.3}, "a", state, cfg)  # recovered: the count resets
+    train.check_health({"a": 0.3}, "a", state, cfg)  # recovered: the count resets
     assert state["zero_acc_evals"] == 0
     state["eval_len"]["a"] = 1.0
-    train.check_collapse({"a": 0.3}, "a", state, dict(cfg, stop_on_collapse=False))
-    train.check_collapse({"a": 0.3}, "a", state, dict(cfg, stop_on_collapse=False))  # off: never raises
+    train.check_health({"a": 0.3}, "a", state, dict(cfg, stop_on_collapse=False))
+    train.check_health({"a": 0.3}, "a", state, dict(cfg, stop_on_collapse=False))  # off: never raises
 
 
 def test_teacher_reads_the_same_token_positions_as_the_student(toy_data):
@@ -223,7 +233,7 @@ def test_teacher_reads_the_same_token_positions_as_the_student(toy_data):
     batch.teacher_prompt_ids = list(batch.prompt_ids)
     m = train.loss_backward(model, batch, cfg, torch.device("cpu"))
     assert m["distill_tokens"] == sum(len(r) for r in batch.response_ids)
-    assert abs(m["div_sum"]) < 1e-5 and abs(m["teacher_minus_student_sum"]) < 1e-4
+    assert abs(m["div_sum"]) < 1e-5 and abs(m["logratio_ok_sum"] + m["logratio_failed_sum"]) < 1e-4
 
 
 def test_micro_batch_split_does_not_change_the_step(toy_data):

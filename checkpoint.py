@@ -1,0 +1,257 @@
+"""
+The run folder: what train.py keeps in out_dir, and how it survives crashes, collapses, a second
+run and a changed config.
+
+    out_dir/
+      .lock                 held while a run writes here: a second run into the same folder stops
+      log.jsonl             one record per iteration and per eval
+      samples.jsonl         a few rollouts (prompt, response, reward, teacher prompt) per eval
+      accuracy_matrix.json  every eval set after every stage (continual runs)
+      stage<i>_<name>/      the model after each stage (continual runs)
+      ckpt/                 the latest checkpoint: a plain HF model folder (config, weights in
+                            save_dtype, tokenizer, generation_config and nothing else at its top level,
+                            so AutoModelForCausalLM, vLLM and lm-eval load it as it is) with
+        trainer/            what resuming needs besides: state.json (iteration, stage, config, data
+                            order), optimizer.safetensors (+ every rank's sampling RNG),
+                            teacher.safetensors, model_fp32.safetensors (when the export is bf16)
+      ckpt_good/            the last checkpoint whose eval passed the collapse guard (hard links)
+
+A checkpoint is written to ckpt.tmp (trainer/state.json last), then ckpt -> ckpt.old and
+ckpt.tmp -> ckpt, then ckpt.old is removed: a crash at any moment leaves a complete checkpoint
+under one of the three names, and recover() puts the newest complete one back at ckpt/.
+"""
+import contextlib
+import json
+import os
+import shutil
+import struct
+
+import torch
+from safetensors.torch import load_file, load_model, save_file, save_model
+
+from configurator import UserError
+
+RUN_OUTPUTS = ("log.jsonl", "samples.jsonl", "accuracy_matrix.json", "ckpt", "ckpt_good")  # + stage* and eval.*
+# config keys a resumed run may change: where and how it runs, not what it computes
+RESUMABLE = {"out_dir", "init_from", "data_dir", "tokenizer_path", "device", "dtype", "overwrite", "log_jsonl",
+             "wandb_log", "wandb_project", "wandb_run_name", "eval_interval", "save_interval", "save_dtype",
+             "micro_batch_size", "gen_batch_size", "static_rollout", "grad_checkpointing", "fused_loss", "loss_chunk",
+             "stop_on_collapse", "collapse_patience", "dataset", "max_iters", "stages"}  # the last 3: checked as stages
+
+
+# ----------------------------------------------------------------------------- the folder
+@contextlib.contextmanager
+def locked(out_dir):
+    """Hold out_dir/.lock (created exclusively, holding our pid) for the duration; a lock whose
+    process is gone (a killed run) is taken over."""
+    if not out_dir or os.path.isfile(out_dir):
+        raise UserError(f"out_dir={out_dir!r} is {'empty' if not out_dir else 'a file'}: give a folder for the run")
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"out_dir {out_dir} cannot be created ({e.strerror}): give a writable folder") from None
+    path = os.path.join(out_dir, ".lock")
+    for _ in range(2):
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+            break
+        except FileExistsError:
+            pid = _read_pid(path)
+            if pid is not None and _alive(pid):
+                raise UserError(f"out_dir {out_dir} is in use by another run (pid {pid}): wait for it to end, or "
+                                "use another out_dir") from None
+            os.remove(path)  # the run that held it is gone
+        except OSError as e:
+            raise UserError(f"out_dir {out_dir} is not writable ({e.strerror}): give a writable folder") from None
+    with os.fdopen(fd, "w") as f:
+        f.write(str(os.getpid()))
+    try:
+        yield
+    finally:
+        with contextlib.suppress(OSError):
+            os.remove(path)
+
+
+def _read_pid(path):
+    with contextlib.suppress(OSError, ValueError), open(path) as f:
+        return int(f.read().strip())
+    return None
+
+
+def _alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return pid != os.getpid()
+
+
+def earlier_outputs(out_dir):
+    """The files and folders of an earlier run in out_dir (others are left alone)."""
+    if not os.path.isdir(out_dir):
+        return []
+    return sorted(f for f in os.listdir(out_dir) if f in RUN_OUTPUTS or f.startswith(("stage", "eval.", "eval_"))
+                  or f.startswith("ckpt."))
+
+
+def remove(out_dir, names):
+    for name in names:
+        path = os.path.join(out_dir, name)
+        shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+
+
+def truncate_log(path, iteration):
+    """Drop the records after `iteration` (a resumed run redoes them) and any half-written line."""
+    if not os.path.exists(path):
+        return
+    kept = []
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for line in f:
+            with contextlib.suppress(ValueError):
+                if json.loads(line)["iter"] <= iteration:
+                    kept.append(line if line.endswith("\n") else line + "\n")
+    with open(path + ".tmp", "w") as f:
+        f.writelines(kept)
+    os.replace(path + ".tmp", path)
+
+
+# ----------------------------------------------------------------------------- checkpoints
+def complete(path):
+    return os.path.exists(os.path.join(path, "trainer", "state.json"))
+
+
+def recover(ckpt_dir):
+    """After a crash between a checkpoint's renames there is no complete ckpt/, but a complete
+    ckpt.tmp (newer) or ckpt.old: move the newest complete one back. Returns what it did, or None."""
+    if complete(ckpt_dir):
+        return None
+    for candidate in (ckpt_dir + ".tmp", ckpt_dir + ".old"):
+        if complete(candidate):
+            shutil.rmtree(ckpt_dir, ignore_errors=True)
+            os.replace(candidate, ckpt_dir)
+            return f"recovered the checkpoint {ckpt_dir} from {os.path.basename(candidate)} (a crash between its renames)"
+    return None
+
+
+def save(ckpt_dir, model, tokenizer, optimizer, teacher_model, state, rng_tensors, save_dtype="float32"):
+    """Write a checkpoint (layout in the module docstring) atomically."""
+    tmp, old = ckpt_dir + ".tmp", ckpt_dir + ".old"
+    shutil.rmtree(tmp, ignore_errors=True)
+    dtype = getattr(torch, save_dtype)
+    weights = {k: v.to(dtype) for k, v in model.state_dict().items()} if dtype != torch.float32 else None
+    model.save_pretrained(tmp, state_dict=weights)
+    if weights is not None:  # the exported config says so, so from_pretrained loads it in that dtype
+        _set_config_dtype(os.path.join(tmp, "config.json"), save_dtype)
+    tokenizer.save_pretrained(tmp)
+    trainer = os.path.join(tmp, "trainer")
+    os.makedirs(trainer)
+    opt = optimizer.state_dict()
+    tensors = {f"{i}.{k}": v.contiguous() for i, s in opt["state"].items() for k, v in s.items()}
+    save_file({**tensors, **{f"rng.{k}": v for k, v in rng_tensors.items()}}, os.path.join(trainer, "optimizer.safetensors"))
+    if teacher_model is not None:
+        save_model(teacher_model, os.path.join(trainer, "teacher.safetensors"))
+    if weights is not None:  # exact resume needs the fp32 master weights
+        save_model(model, os.path.join(trainer, "model_fp32.safetensors"))
+    with open(os.path.join(trainer, "state.json.tmp"), "w") as f:
+        json.dump({**state, "param_groups": opt["param_groups"]}, f, indent=1)
+    os.replace(os.path.join(trainer, "state.json.tmp"), os.path.join(trainer, "state.json"))  # complete now
+    shutil.rmtree(old, ignore_errors=True)
+    if os.path.exists(ckpt_dir):
+        os.replace(ckpt_dir, old)
+    os.replace(tmp, ckpt_dir)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _set_config_dtype(path, dtype):
+    with open(path) as f:
+        config = json.load(f)
+    config["dtype"] = dtype
+    with open(path, "w") as f:
+        json.dump(config, f, indent=2)
+
+
+def keep_as_good(ckpt_dir, good_dir):
+    """ckpt_good/ <- ckpt/ as hard links (no copy: checkpoint files are never modified in place)."""
+    tmp = good_dir + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(ckpt_dir, tmp, copy_function=os.link)
+    shutil.rmtree(good_dir, ignore_errors=True)
+    os.replace(tmp, good_dir)
+
+
+def read_state(ckpt_dir):
+    """trainer/state.json of a checkpoint, every file it needs checked first (one line naming a damaged one)."""
+    trainer = os.path.join(ckpt_dir, "trainer")
+    path = os.path.join(trainer, "state.json")
+    if not os.path.exists(path):
+        raise UserError(f"{ckpt_dir} is not a nanoSDPO checkpoint (no trainer/state.json): set out_dir to the run to "
+                        "continue, or start a new run")
+    try:
+        with open(path) as f:
+            state = json.load(f)
+    except ValueError as e:
+        raise UserError(f"{path} is damaged ({e}): the checkpoint cannot be resumed") from None
+    for name in sorted(os.listdir(ckpt_dir)) + [os.path.join("trainer", n) for n in sorted(os.listdir(trainer))]:
+        if name.endswith(".safetensors"):
+            check_safetensors(os.path.join(ckpt_dir, name))
+    return state
+
+
+def check_safetensors(path):
+    """A truncated or garbled safetensors file, caught from its header without reading the tensors."""
+    try:
+        with open(path, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(n))
+        end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
+        ok = os.path.getsize(path) >= 8 + n + end
+    except (OSError, ValueError, struct.error, KeyError, TypeError, MemoryError):
+        ok = False
+    if not ok:
+        raise UserError(f"{path} is damaged (truncated or not a safetensors file): the checkpoint cannot be resumed; "
+                        "the previous one may be in ckpt_good/")
+
+
+def load_trainer(ckpt_dir, state, model, optimizer, teacher_model):
+    """The rest of a checkpoint into the freshly loaded model / optimizer / teacher; returns the RNG tensors."""
+    trainer = os.path.join(ckpt_dir, "trainer")
+    tensors = load_file(os.path.join(trainer, "optimizer.safetensors"))
+    opt_state = {}
+    for key, value in tensors.items():
+        if not key.startswith("rng."):
+            i, name = key.split(".", 1)
+            opt_state.setdefault(int(i), {})[name] = value
+    optimizer.load_state_dict({"state": opt_state, "param_groups": state["param_groups"]})
+    if os.path.exists(os.path.join(trainer, "model_fp32.safetensors")):
+        load_model(model, os.path.join(trainer, "model_fp32.safetensors"))
+    if teacher_model is not None:
+        path = os.path.join(trainer, "teacher.safetensors")
+        if not os.path.exists(path):
+            raise UserError(f"{path} is missing: the checkpoint has no teacher to resume")
+        load_model(teacher_model, path)
+    return {k[4:]: v for k, v in tensors.items() if k.startswith("rng.")}
+
+
+# ----------------------------------------------------------------------------- resuming
+def check_resume(saved, cfg, saved_stages, stages, state):
+    """A resumed run is the same run: refuse a changed setting (one line naming the key) unless it
+    is in RESUMABLE. Its stages may grow on purpose -- more iterations in the last stage, or more
+    stages -- and a finished last stage that grows is reopened (its accuracy row is redone)."""
+    changed = [k for k in saved if k in cfg and k not in RESUMABLE and saved[k] != cfg[k]]
+    if changed:
+        k = changed[0]
+        raise UserError(f"init_from=resume: {k} was {saved[k]!r} in this run, now {cfg[k]!r}: a resumed run continues "
+                        "the same run; start a new out_dir (or --overwrite=True) to change it")
+    grown = len(stages) >= len(saved_stages) and all(
+        new == old or (i == len(saved_stages) - 1 and new[0] == old[0] and new[1] > old[1])
+        for i, (old, new) in enumerate(zip(saved_stages, stages)))
+    if not grown:
+        raise UserError(f"init_from=resume: stages were {saved_stages}, now {stages}: a resumed run may only add "
+                        "iterations to its last stage or add stages")
+    last = len(saved_stages) - 1
+    if stages[last][1] > saved_stages[last][1] and state["stage"] == len(saved_stages):
+        state["stage"], state["stage_iter"] = last, saved_stages[last][1]
+        state["accuracy_matrix"]["stages"].pop()
+        state["accuracy_matrix"]["rows"].pop()

@@ -1,0 +1,274 @@
+"""Reliability, class by class: no run ever loses data, the collapse guard keeps a good model,
+resume means the same run, and every bad input is one line before any work."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import ROOT, TINY, defaults, read_log, run_train
+
+import checkpoint
+import train
+
+
+# a tiny SFT run, the same whether it runs as `python train.py *RUN` or in-process as train.main(cli_cfg())
+RUN = ["config/toy_base.py", *TINY, "--stages=", "--eval_sets=", "--dataset=toy/add", "--max_iters=2", "--device=cpu",
+       f"--data_dir={os.path.join(ROOT, 'data')}", f"--tokenizer_path={os.path.join(ROOT, 'data', 'toy', 'tokenizer')}"]
+
+
+def cli_cfg(*args):
+    """The config `python train.py *RUN *args` runs with."""
+    from configurator import configure
+    return configure(dict(vars(train)), [*RUN, *args], train.__file__)
+
+
+def tiny_cfg(toy_data, out, **overrides):
+    """A tiny run for train.main(), in-process (seconds, no interpreter start)."""
+    return dict(cli_cfg(), out_dir=str(out), **overrides)
+
+
+def one_line_error(proc):
+    assert proc.returncode != 0, proc.stdout[-2000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr[-2000:]
+    return lines[0]
+
+
+def listing(folder):
+    """Every file under folder with its size and bytes' hash: 'nothing changed' means equal listings."""
+    out = {}
+    for root, _, files in os.walk(folder):
+        for f in files:
+            path = os.path.join(root, f)
+            with open(path, "rb") as fh:
+                out[os.path.relpath(path, folder)] = hash(fh.read())
+    return out
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory, toy_data):
+    """A finished 2-iteration SFT run (its folder is copied by the tests that change it)."""
+    out = tmp_path_factory.mktemp("finished") / "run"
+    train.main(tiny_cfg(toy_data, out))
+    return out
+
+
+def copy_of(run, tmp_path):
+    dst = tmp_path / "run"
+    shutil.copytree(run, dst)
+    return dst
+
+
+# ----------------------------------------------------------------------------- 1. nothing is deleted by mistake
+@pytest.mark.parametrize("bad", ["--dataset=toy/nonexist", "--wandb_log=True", "--init_from=no/such-model-here",
+                                 "--max_new_tokens=4000"])
+def test_a_bad_input_into_a_finished_run_changes_nothing(finished_run, tmp_path, bad):
+    if bad == "--wandb_log=True" and subprocess.run([sys.executable, "-c", "import wandb"]).returncode == 0:
+        pytest.skip("wandb is installed here: this case needs it absent")
+    out = copy_of(finished_run, tmp_path)
+    before = listing(out)
+    proc = run_train(*RUN, f"--out_dir={out}", "--overwrite=True", bad, check=False)
+    one_line_error(proc)
+    assert listing(out) == before
+
+
+def test_a_second_run_into_the_same_out_dir_stops_and_a_stale_lock_is_taken_over(finished_run, tmp_path):
+    out = copy_of(finished_run, tmp_path)
+    (out / ".lock").write_text(str(os.getpid()))  # a live process holds it
+    args = (*RUN, f"--out_dir={out}", "--init_from=resume", "--max_iters=3")
+    assert "in use by another run" in one_line_error(run_train(*args, check=False))
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    (out / ".lock").write_text(dead.stdout.strip())  # its process is gone (a killed run)
+    run_train(*args)
+    assert not (out / ".lock").exists() and [r["iter"] for r in read_log(out) if "loss" in r] == [1, 2, 3]
+
+
+@pytest.mark.parametrize("crash", ["between the renames", "before the first rename"])
+def test_a_crash_during_a_checkpoint_leaves_one_that_the_next_start_finds(finished_run, tmp_path, toy_data, crash):
+    out = copy_of(finished_run, tmp_path)
+    ckpt = out / "ckpt"
+    shutil.copytree(ckpt, out / "ckpt.tmp")  # the new checkpoint, complete
+    if crash == "between the renames":  # ckpt -> ckpt.old done, ckpt.tmp -> ckpt not yet
+        os.replace(ckpt, out / "ckpt.old")
+    else:  # the new one half-written: no trainer/state.json yet
+        os.remove(out / "ckpt.tmp" / "trainer" / "state.json")
+    assert checkpoint.recover(str(ckpt)) == (None if crash != "between the renames" else
+                                             f"recovered the checkpoint {ckpt} from ckpt.tmp (a crash between its renames)")
+    assert checkpoint.complete(str(ckpt))
+    train.main(tiny_cfg(toy_data, out, init_from="resume", max_iters=3))
+    assert [r["iter"] for r in read_log(out) if "loss" in r] == [1, 2, 3]
+    assert not any(p.name.startswith("ckpt.") for p in out.iterdir())
+
+
+# ----------------------------------------------------------------------------- 2. the collapse guard keeps a good model
+def test_the_guard_keeps_the_checkpoint_that_passed_it_and_names_it_truthfully(toy_data, tmp_path, monkeypatch):
+    """Evals at every iteration: good (0.5) at iteration 1, then dead twice: the run stops at
+    iteration 3 and names ckpt_good at iteration 1 (ckpt/ holds iteration 2, already bad)."""
+    accs = iter([0.5, 0.5, 0.0, 0.0])  # start, 1, 2, 3
+    real = train.run_eval
+
+    def fake_eval(run, cfg, ddp, tag):
+        row = real(run, cfg, ddp, tag)
+        return {name: next(accs) for name in row}
+    monkeypatch.setattr(train, "run_eval", fake_eval)
+    cfg = tiny_cfg(toy_data, tmp_path / "run", max_iters=6, eval_interval=1, collapse_patience=2)
+    with pytest.raises(train.UserError) as e:
+        train.main(cfg)
+    msg = str(e.value)
+    assert "stopped after 3 iterations" in msg and "ckpt_good (iteration 1, eval toy/add 0.500)" in msg
+    with open(tmp_path / "run" / "ckpt_good" / "trainer" / "state.json") as f:
+        assert json.load(f)["iter"] == 1
+    with open(tmp_path / "run" / "ckpt" / "trainer" / "state.json") as f:
+        assert json.load(f)["iter"] == 2
+
+
+def test_a_runaway_loss_stops_the_run_before_it_overwrites_the_checkpoint(toy_data, tmp_path, monkeypatch):
+    real, calls = train.loss_backward, []
+
+    def exploding(*args, **kwargs):
+        metrics = real(*args, **kwargs)
+        calls.append(1)
+        return dict(metrics, loss=metrics["loss"] * (1000 if len(calls) == 13 else 1))
+    monkeypatch.setattr(train, "loss_backward", exploding)
+    with pytest.raises(train.UserError, match="after 12 iterations: loss .* is far above its running median"):
+        train.main(tiny_cfg(toy_data, tmp_path / "run", max_iters=20, save_interval=4))
+    with open(tmp_path / "run" / "ckpt" / "trainer" / "state.json") as f:
+        assert json.load(f)["iter"] == 12
+
+
+def test_non_finite_weights_stop_the_run_with_the_guards_message(toy_data, tmp_path):
+    """lr=1e30: the step overflows; the run stops before sampling from inf weights."""
+    proc = run_train(*RUN, "--learning_rate=1e30", "--warmup_iters=0", "--max_iters=3", f"--out_dir={tmp_path / 'run'}",
+                     check=False)
+    line = one_line_error(proc)
+    assert "weights are not finite" in line and "collapse guard" in line
+
+
+# ----------------------------------------------------------------------------- 3. resume means the same run
+@pytest.mark.parametrize("change,key", [("--algo=grpo", "algo"), ("--n_embd=64", "n_embd"), ("--learning_rate=0.5", "learning_rate"),
+                                        ("--stages=toy/sub:5", "stages")])
+def test_resume_refuses_a_changed_run_naming_the_key(finished_run, tmp_path, change, key):
+    out = copy_of(finished_run, tmp_path)
+    before = listing(out)
+    proc = run_train(*RUN, f"--out_dir={out}", "--init_from=resume", change, check=False)
+    assert f"{key} was" in one_line_error(proc) or f"{key} were" in proc.stderr
+    assert listing(out) == before
+
+
+def test_resume_can_extend_a_finished_run_and_redoes_nothing(finished_run, tmp_path, toy_data):
+    """max_iters 2 -> 4 on a finished run trains iterations 3 and 4; the log keeps one record per
+    iteration (records after the checkpoint -- here fakes -- are dropped); the accuracy matrix
+    has one row for the (reopened) stage; an extra stage can follow."""
+    out = copy_of(finished_run, tmp_path)
+    with open(out / "log.jsonl", "a") as f:
+        f.write(json.dumps({"iter": 3, "loss": -1.0}) + "\n" + '{"iter": 4, "lo')  # after the checkpoint, half-written
+    train.main(tiny_cfg(toy_data, out, init_from="resume", max_iters=4))
+    assert [r["iter"] for r in read_log(out) if "loss" in r] == [1, 2, 3, 4]
+    assert all(r["loss"] != -1.0 for r in read_log(out) if "loss" in r)
+    with open(out / "accuracy_matrix.json") as f:
+        assert json.load(f)["stages"] == ["toy/add"]
+    train.main(tiny_cfg(toy_data, out, init_from="resume", stages="toy/add:4,toy/sub:1"))
+    with open(out / "accuracy_matrix.json") as f:
+        assert json.load(f)["stages"] == ["toy/add", "toy/sub"]
+
+
+# ----------------------------------------------------------------------------- 4. every bad input is one line
+def write_jsonl(path, lines):
+    os.makedirs(path.parent, exist_ok=True)
+    path.write_bytes(b"".join(line if isinstance(line, bytes) else (json.dumps(line) + "\n").encode() for line in lines))
+
+
+GOOD = {"kind": "math", "messages": [{"role": "user", "content": "1+1"}], "answer": "2", "solution": "\\boxed{2}"}
+
+
+@pytest.mark.parametrize("line,needs_solution,expect", [
+    ({**GOOD, "kind": "poetry"}, False, "kind='poetry' has no answer checker"),
+    ({**GOOD, "messages": "1+1"}, False, "messages must be a non-empty list"),
+    ({**GOOD, "messages": [{"role": "user"}]}, False, "messages must be a non-empty list"),
+    ({**GOOD, "answer": ""}, False, "answer is missing or empty"),
+    ({**GOOD, "answer": None}, False, "answer is missing or empty"),
+    ({k: v for k, v in GOOD.items() if k != "solution"}, True, "algo=sft needs a 'solution'"),
+    (b"\xff\xfe not utf-8\n", False, "not UTF-8 text"),
+    (b"{not json\n", False, "not valid JSON"),
+])
+def test_a_bad_record_is_one_line_naming_file_line_and_fix(tmp_path, line, needs_solution, expect):
+    write_jsonl(tmp_path / "bad" / "train.jsonl", [GOOD, line])
+    with pytest.raises(train.UserError) as e:
+        train.load_tasks("bad", "train", str(tmp_path), need_solution=needs_solution)
+    assert f"train.jsonl:2: {expect}" in str(e.value) and "\n" not in str(e.value)
+    write_jsonl(tmp_path / "empty" / "train.jsonl", [])
+    with pytest.raises(train.UserError, match="has no tasks"):
+        train.load_tasks("empty", "train", str(tmp_path))
+
+
+def test_long_prompts_are_left_out_quickly_and_a_context_too_small_is_one_line(toy_data, tmp_path):
+    data = tmp_path / "data"
+    shutil.copytree(os.path.join(toy_data, "toy", "tokenizer"), data / "toy" / "tokenizer")
+    huge = {**GOOD, "messages": [{"role": "user", "content": "1" * 1_000_000}]}
+    write_jsonl(data / "long" / "train.jsonl", [GOOD, huge, GOOD])
+    write_jsonl(data / "long" / "test.jsonl", [GOOD])
+    common = ("config/toy_base.py", *TINY, "--stages=", "--eval_sets=", "--dataset=long", f"--data_dir={data}", "--device=cpu",
+              f"--tokenizer_path={data / 'toy' / 'tokenizer'}")
+    proc = run_train(*common, f"--out_dir={tmp_path / 'a'}", "--max_iters=1")
+    assert "long: left out 1 of 3 prompts longer than 120 tokens" in proc.stdout
+    line = one_line_error(run_train(*common, f"--out_dir={tmp_path / 'b'}", "--block_size=4", check=False))
+    assert "exceeds the model's context of 4 tokens" in line and not (tmp_path / "b").exists()
+
+
+@pytest.mark.parametrize("damage", ["truncated model", "truncated optimizer", "half-written state", "no teacher"])
+def test_a_damaged_checkpoint_is_one_line_naming_the_file(tmp_path, toy_data, damage):
+    out = tmp_path / "run"
+    algo = "sdpo" if damage == "no teacher" else "sft"
+    cfg = tiny_cfg(toy_data, out, algo=algo, **({"success_threshold": 0.0, "group_size": 2} if algo == "sdpo" else {}))
+    train.main(cfg)
+    ckpt = out / "ckpt"
+    target = {"truncated model": ckpt / "model.safetensors", "truncated optimizer": ckpt / "trainer" / "optimizer.safetensors",
+              "half-written state": ckpt / "trainer" / "state.json", "no teacher": ckpt / "trainer" / "teacher.safetensors"}[damage]
+    if damage == "no teacher":
+        target.unlink()
+    else:
+        target.write_bytes(target.read_bytes()[:len(target.read_bytes()) // 2])
+    with pytest.raises(train.UserError) as e:
+        train.main(dict(cfg, init_from="resume", max_iters=3))
+    assert str(target) in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("args,expect", [
+    (["--device=tpu"], "device='tpu' is not supported"),
+    (["--device=cuda"], "no CUDA GPU"),
+    (["--out_dir="], "out_dir='' is empty"),
+    (["--out_dir=README.md"], "is a file"),
+])
+def test_devices_and_paths_are_one_line(toy_data, args, expect):
+    if args == ["--device=cuda"] and torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    assert expect in one_line_error(run_train("config/grpo_toy.py", *TINY, "--init_from=scratch", *args, check=False))
+
+
+@pytest.mark.parametrize("args,expect", [
+    (["--max_new_tokens=0"], "max_new_tokens=0 must be >= 1"),
+    (["--num_samples=0"], "num_samples=0 must be >= 1"),
+    (["--prompt_file=EMPTY"], "holds no prompts"),
+])
+def test_sample_py_bad_input_is_one_line(toy_data, tmp_path, args, expect):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n")
+    args = [a.replace("EMPTY", str(empty)) for a in args]
+    proc = subprocess.run([sys.executable, "sample.py", "--init_from=no/model", *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+    assert expect in one_line_error(proc)
+
+
+def test_sample_py_greedy_at_temperature_zero(finished_run):
+    def sample(seed):
+        proc = subprocess.run([sys.executable, "sample.py", f"--init_from={finished_run / 'ckpt'}", "--temperature=0",
+                               "--num_samples=2", "--max_new_tokens=6", f"--seed={seed}", "--device=cpu"],
+                              cwd=ROOT, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        return [line for line in proc.stdout.splitlines() if line.startswith("-->")]
+    first = sample(1)
+    assert len(first) == 2 and first[0] == first[1] and sample(2) == first  # greedy: no randomness
