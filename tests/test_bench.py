@@ -89,3 +89,30 @@ def test_every_shipped_qwen3_config_gets_an_estimate(capsys):
             assert out["peak_gb"] > out["state_gb"] > 0
             named.append(f)
     assert {"sdpo_gsm8k.py", "grpo_gsm8k.py", "sdpo_math.py", "grpo_math.py", "continual_real.py"} <= set(named)
+
+
+def test_gpu_check_runs_every_section_in_cpu_mode(toy_data, tmp_path):
+    """tests/gpu_check.py --cpu runs the GPU check's code paths at tiny sizes: every section reports,
+    the correctness checks pass, and the last line is the JSON with them (speed is not checked)."""
+    proc = subprocess.run([sys.executable, "tests/gpu_check.py", "--cpu", f"--out={tmp_path}"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=900, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    lines = proc.stdout.strip().splitlines()
+    out = json.loads(lines[-1])
+    rows = [line for line in lines if line.startswith("| ")]
+    assert rows[0] == "| sec | check | status | numbers |"
+    assert {row.split("|")[1].strip() for row in rows[1:]} == {"a", "b", "c", "d"}  # every section has a row
+    assert out["mode"] == "cpu" and out["sections"] == ["a", "b", "c", "d"] and out["errors"] == {}
+    assert set(out["seconds"]) == {"a", "b", "c", "d"}
+    names = " / ".join(out["correctness"])
+    for expected in ("fused == naive, fp32", "bf16 inputs", "bf16 products (autocast)", "static == dynamic",
+                     "static ~ dynamic", "resume continues exactly", "SFT", "GRPO", "SDPO"):
+        assert expected in names, (expected, names)
+    assert out["correctness_ok"] and set(out["correctness"].values()) == {"PASS"}
+    checks = {c["name"]: c for c in out["checks"]}
+    bench = next(c for c in out["checks"] if c["name"].startswith("fused speed"))["numbers"]
+    assert bench["naive_bf16_s"] > 0 and bench["fused_s"] > 0  # the bf16-naive column ran
+    liger = next(c for c in out["checks"] if "Liger" in c["name"])
+    assert liger["status"] == "SKIP" and "CUDA" in liger["summary"]  # never a requirement
+    assert checks["train.generate(static=True) tokens/s"]["numbers"]["tok_s"] > 0
+    assert next(c for c in out["checks"] if c["name"].startswith("static rollout"))["numbers"]["static_over_hf"] > 0
