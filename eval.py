@@ -788,8 +788,8 @@ def main(cfg):
         sets[name] = tasks[:cfg["max_prompts"]] if cfg["max_prompts"] > 0 else tasks
     drift_sets = {name: tasks[:cfg["drift_prompts"]] for name, tasks in sets.items()} if cfg["drift_prompts"] else {}
     out_path = cfg["out"] or (os.path.join(cfg["run_dir"], "eval.json") if run else "eval.json")
-    dev = train.pick_device(cfg["device"])
-    autocast = train.make_autocast(dev, cfg["dtype"])
+    dev = models.pick_device(cfg["device"])
+    autocast = models.make_autocast(dev, cfg["dtype"])
 
     report = {"config": cfg, "model": model_path, "base_model": base_path or None, "eval_sets": names, "ks": ks}
     # the base model first: it embeds every response for response drift

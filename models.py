@@ -1,6 +1,7 @@
 """
-Any HF causal LM, the way train.py needs it: loaded (or a toy model built from scratch), its decoder
-body and LM head taken apart for the fused loss, checked once at load, its EOS ids, and its prompts.
+Any HF causal LM, the way train.py needs it, and where it runs: loaded (or a toy model built from
+scratch), its decoder body and LM head taken apart for the fused loss, checked once at load, its
+EOS ids and its prompts; the device, autocast, and torchrun's ranks (Dist).
 
 train.py never asks the model for its training logits: it runs the decoder body, keeps the final
 hidden states h and does the LM head itself, in chunks (models.lm_head). That is only right if the
@@ -9,10 +10,14 @@ causal LMs (scale 1), Granite (1/logits_scaling), Cohere (logit_scale), ... A mo
 bias, soft-caps its logits (Gemma-2) or has a head with its own layers is refused at load with one
 line, rather than trained with silently wrong log-probs.
 """
+import contextlib
+import copy
+import functools
 import inspect
 import os
 
 import torch
+import torch.distributed as dist
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, Qwen2Config, Qwen2ForCausalLM
 from huggingface_hub.utils import logging as hf_hub_logging
 from transformers.utils import logging as hf_logging
@@ -185,3 +190,107 @@ def load_model(init, dev, dtype=torch.float32, scratch=None):
     model = model.to(dev, dtype)
     check_model(model)
     return model, tokenizer
+
+
+# ----------------------------------------------------------------------------- where it runs
+def pick_device(name):
+    """'auto' (CUDA when there is one), 'cpu', 'cuda' or 'cuda:N'; anything else is one line."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(name)
+    except RuntimeError:
+        dev = None
+    if dev is None or dev.type not in ("cpu", "cuda"):
+        raise UserError(f"device={name!r} is not supported: use 'auto', 'cpu', 'cuda' or 'cuda:N'")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise UserError(f"device={name!r} but this torch sees no CUDA GPU: use --device=cpu (or install a CUDA build)")
+    return dev
+
+
+def amp_dtype(dev, dtype_name):
+    """The autocast dtype: bf16 / fp16 on CUDA (params and optimizer stay fp32), None for fp32."""
+    return {"auto": torch.bfloat16 if dev.type == "cuda" else None, "float32": None,
+            "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype_name]
+
+
+def make_autocast(dev, dtype_name):
+    """A context factory: torch.autocast at amp_dtype, or a no-op."""
+    amp = amp_dtype(dev, dtype_name)
+    return functools.partial(torch.autocast, dev.type, dtype=amp) if amp else contextlib.nullcontext
+
+
+def enable_grad_checkpointing(model):
+    """Recompute each decoder block in the backward instead of keeping its activations. Only
+    forwards with grad recompute: rollouts and teacher forwards (no grad) keep their KV cache."""
+    enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+    enable()
+
+
+def frozen_copy(model):
+    m = copy.deepcopy(model).eval()
+    m.requires_grad_(False)
+    return m
+
+
+class Dist:
+    """torchrun's process group, or a single process. Ranks hold whole prompt groups; they add
+    token counts (global_sum) and gradients (all_reduce_grads); rank 0 writes."""
+
+    def __init__(self, device_name):
+        self.rank, self.world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+        self.device = pick_device(device_name)
+        if self.world > 1:
+            if self.device.type == "cuda":
+                self.device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+                torch.cuda.set_device(self.device)
+            dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo")
+        self.master = self.rank == 0
+
+    def global_sum(self, numbers):
+        if self.world == 1:
+            return list(numbers)
+        t = torch.tensor(numbers, dtype=torch.float64, device=self.device)
+        dist.all_reduce(t)
+        return [int(x) if float(x).is_integer() else float(x) for x in t.tolist()]
+
+    def all_reduce_grads(self, model, bucket_elems=1 << 24):
+        """Sum gradients over ranks (each rank's loss is already / the global token count). Small
+        gradients travel in flat buckets of at most bucket_elems elements (64 MB in fp32), big
+        ones on their own, so no full-model flat copy is ever made."""
+        if self.world == 1:
+            return
+        params = list(model.parameters())
+        for p in params:
+            if p.grad is None:  # this rank had no signal for it: contribute zeros
+                p.grad = torch.zeros_like(p)
+        bucket, size = [], 0
+        for p in params:
+            if bucket and size + p.numel() > bucket_elems:
+                self._all_reduce(bucket)
+                bucket, size = [], 0
+            bucket.append(p.grad)
+            size += p.numel()
+        self._all_reduce(bucket)
+
+    @staticmethod
+    def _all_reduce(grads):
+        if len(grads) == 1:
+            dist.all_reduce(grads[0])
+            return
+        flat = torch._utils._flatten_dense_tensors(grads)
+        dist.all_reduce(flat)
+        for g, reduced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
+            g.copy_(reduced)
+
+    def gather(self, obj):
+        """A list of every rank's obj (in rank order)."""
+        if self.world == 1:
+            return [obj]
+        out = [None] * self.world
+        dist.all_gather_object(out, obj)
+        return out
+
+    def barrier(self):
+        if self.world > 1:
+            dist.barrier()

@@ -48,7 +48,7 @@ def read_prompts(prompt, prompt_file, system):
 
 
 def main(cfg):
-    dev = train.pick_device(cfg["device"])
+    dev = models.pick_device(cfg["device"])
     if not cfg["prompt_file"] and not cfg["prompt"]:
         raise train.UserError("nothing to sample: give --prompt=... or --prompt_file=...")
     for key in ("num_samples", "max_new_tokens"):

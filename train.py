@@ -82,10 +82,12 @@ from tqdm import tqdm
 from transformers import DynamicCache, StaticCache
 
 import checkpoint
+import metrics
 from configurator import UserError
 from data import checkers
-from models import (CACHE, body_forward, context_length, decoder_body, has_chat_template, lm_head, load_model,
-                    prompt_ids, stop_token_ids, takes_position_ids)
+from models import (CACHE, Dist, amp_dtype, body_forward, context_length, decoder_body, enable_grad_checkpointing,
+                    frozen_copy, has_chat_template, lm_head, load_model, make_autocast, prompt_ids, stop_token_ids,
+                    takes_position_ids)
 
 # ----------------------------------------------------------------------------- defaults
 # Every line `name = value  # help` below is a config key: config files and --name=value
@@ -1156,12 +1158,12 @@ def loss_backward(model, batch, cfg, dev, teacher_model=None, initial_model=None
     """Forward + backward over the sequences of one optimizer step, in micro-batches.
 
     batch: a Batch with its loss weights set (build_batch). Sequences with no weight anywhere are
-    skipped. amp: the autocast dtype (bf16 on CUDA) or None. Returns summed metrics."""
+    skipped. amp: the autocast dtype (bf16 on CUDA) or None. Returns the loss, the phase times and
+    the token diagnostics (metrics.TOKEN_SUMS), summed."""
     autocast = functools.partial(torch.autocast, dev.type, dtype=amp) if amp else contextlib.nullcontext
     in_loss = [i for i, (p, d) in enumerate(zip(batch.pg_weight, batch.distill_weight)) if p.any() or d.any()]
     in_loss.sort(key=lambda i: len(batch.prompt_ids[i]) + len(batch.response_ids[i]), reverse=True)  # less padding
-    metrics = dict.fromkeys(("loss", "reference_s", "teacher_s", "student_s") + TOKEN_SUMS, 0.0)
-    metrics["ratio_max"] = 0.0
+    sums = dict.fromkeys(("loss", "ratio_max", "reference_s", "teacher_s", "student_s") + metrics.TOKEN_SUMS, 0.0)
     token_loss = fused_token_loss if cfg["fused_loss"] else naive_token_loss
     options = dict(chunk_size=loss_chunk_size(cfg, dev), matmul_dtype=amp) if cfg["fused_loss"] else {}
     temperature = 1.0 if cfg["algo"] == "sft" else cfg["temperature"]
@@ -1199,37 +1201,15 @@ def loss_backward(model, batch, cfg, dev, teacher_model=None, initial_model=None
         loss.backward()
         success = None if mb.rewards is None else torch.cat(
             [torch.full((n,), r >= cfg["success_threshold"]) for n, r in zip(lengths, mb.rewards)]).to(dev)
-        sums = token_sums(stats, torch.cat(mb.old_logprobs).to(dev), div_rows, success, cfg)
-        values = torch.stack(sums + [loss.detach().float()]).tolist()  # one host sync per micro-batch
-        for k, v in zip(TOKEN_SUMS + ("ratio_max", "loss"), values):
-            metrics[k] = max(metrics[k], v) if k == "ratio_max" else metrics[k] + v
-        metrics["reference_s"] += t1 - t0
-        metrics["teacher_s"] += t2 - t1
-        metrics["student_s"] += time.time() - t2
-    return metrics
-
-
-# The diagnostics RL users read, as sums over a step's tokens (log_iteration turns them into means):
-# the PPO / IS ratio exp(logp - old_logp) against the sampling policy (mean, max, fraction outside
-# the clip range, k3 estimate of KL(sampler ‖ current)), the student's entropy, and over distilled
-# tokens the divergence, the mass of the student's top-k, and the sampled log-ratio log q(y) - log p(y),
-# split by whether the response succeeded. (Its mean over tokens sampled from p estimates -KL(p‖q):
-# it is <= 0 whatever the teacher's quality; it says how far, not whether the teacher is better.)
-TOKEN_SUMS = ("tokens", "ratio_sum", "clipped", "kl_sampler_sum", "entropy_sum", "distill_tokens", "div_sum",
-              "topk_mass_sum", "logratio_ok_sum", "logratio_ok_n", "logratio_failed_sum", "logratio_failed_n")
-
-
-def token_sums(stats, old_logp, div_rows, success, cfg):
-    """TOKEN_SUMS and then the largest ratio, for one micro-batch (0-d tensors, no host sync)."""
-    log_ratio = stats["logp"] - old_logp
-    ratio = log_ratio.exp()
-    clipped = (ratio < 1 - cfg["clip_low"]) | (ratio > 1 + cfg["clip_high"])
-    logratio = (stats["teacher_logp"] - stats["logp"]) * div_rows
-    ok = div_rows & success if success is not None else torch.zeros_like(div_rows)
-    failed = div_rows & ~ok
-    return [ratio.new_tensor(float(len(ratio))), ratio.sum(), clipped.sum().float(), (ratio - 1 - log_ratio).sum(),
-            stats["entropy"].sum(), div_rows.sum().float(), (stats["div"] * div_rows).sum(), stats["topk_mass"].sum(),
-            (logratio * ok).sum(), ok.sum().float(), (logratio * failed).sum(), failed.sum().float(), ratio.max()]
+        diagnostics = metrics.token_sums(stats, torch.cat(mb.old_logprobs).to(dev), div_rows, success, cfg["clip_low"],
+                                         cfg["clip_high"])
+        values = torch.stack(diagnostics + [loss.detach().float()]).tolist()  # one host sync per micro-batch
+        for k, v in zip(metrics.TOKEN_SUMS + ("ratio_max", "loss"), values):
+            sums[k] = max(sums[k], v) if k == "ratio_max" else sums[k] + v
+        sums["reference_s"] += t1 - t0
+        sums["teacher_s"] += t2 - t1
+        sums["student_s"] += time.time() - t2
+    return sums
 
 
 # ----------------------------------------------------------------------------- step
@@ -1318,110 +1298,6 @@ def evaluate(model, tokenizer, tasks, *, n, temperature, top_p, max_new_tokens, 
             "scores": scores, "texts": texts}
 
 
-# ----------------------------------------------------------------------------- runtime
-def pick_device(name):
-    """'auto' (CUDA when there is one), 'cpu', 'cuda' or 'cuda:N'; anything else is one line."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        dev = torch.device(name)
-    except RuntimeError:
-        dev = None
-    if dev is None or dev.type not in ("cpu", "cuda"):
-        raise UserError(f"device={name!r} is not supported: use 'auto', 'cpu', 'cuda' or 'cuda:N'")
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise UserError(f"device={name!r} but this torch sees no CUDA GPU: use --device=cpu (or install a CUDA build)")
-    return dev
-
-
-def amp_dtype(dev, dtype_name):
-    """The autocast dtype: bf16 / fp16 on CUDA (params and optimizer stay fp32), None for fp32."""
-    return {"auto": torch.bfloat16 if dev.type == "cuda" else None, "float32": None,
-            "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype_name]
-
-
-def make_autocast(dev, dtype_name):
-    """A context factory: torch.autocast at amp_dtype, or a no-op."""
-    amp = amp_dtype(dev, dtype_name)
-    return functools.partial(torch.autocast, dev.type, dtype=amp) if amp else contextlib.nullcontext
-
-
-def enable_grad_checkpointing(model):
-    """Recompute each decoder block in the backward instead of keeping its activations. Only
-    forwards with grad recompute: rollouts and teacher forwards (no grad) keep their KV cache."""
-    enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
-    enable()
-
-
-def frozen_copy(model):
-    m = copy.deepcopy(model).eval()
-    m.requires_grad_(False)
-    return m
-
-
-class Dist:
-    """torchrun's process group, or a single process. Ranks hold whole prompt groups; they add
-    token counts (global_sum) and gradients (all_reduce_grads); rank 0 writes."""
-
-    def __init__(self, device_name):
-        self.rank, self.world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-        self.device = pick_device(device_name)
-        if self.world > 1:
-            if self.device.type == "cuda":
-                self.device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
-                torch.cuda.set_device(self.device)
-            dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo")
-        self.master = self.rank == 0
-
-    def global_sum(self, numbers):
-        if self.world == 1:
-            return list(numbers)
-        t = torch.tensor(numbers, dtype=torch.float64, device=self.device)
-        dist.all_reduce(t)
-        return [int(x) if float(x).is_integer() else float(x) for x in t.tolist()]
-
-    def all_reduce_grads(self, model, bucket_elems=1 << 24):
-        """Sum gradients over ranks (each rank's loss is already / the global token count). Small
-        gradients travel in flat buckets of at most bucket_elems elements (64 MB in fp32), big
-        ones on their own, so no full-model flat copy is ever made."""
-        if self.world == 1:
-            return
-        params = list(model.parameters())
-        for p in params:
-            if p.grad is None:  # this rank had no signal for it: contribute zeros
-                p.grad = torch.zeros_like(p)
-        bucket, size = [], 0
-        for p in params:
-            if bucket and size + p.numel() > bucket_elems:
-                self._all_reduce(bucket)
-                bucket, size = [], 0
-            bucket.append(p.grad)
-            size += p.numel()
-        self._all_reduce(bucket)
-
-    @staticmethod
-    def _all_reduce(grads):
-        if len(grads) == 1:
-            dist.all_reduce(grads[0])
-            return
-        flat = torch._utils._flatten_dense_tensors(grads)
-        dist.all_reduce(flat)
-        for g, reduced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
-            g.copy_(reduced)
-
-    def gather(self, obj):
-        """A list of every rank's obj (in rank order)."""
-        if self.world == 1:
-            return [obj]
-        out = [None] * self.world
-        dist.all_gather_object(out, obj)
-        return out
-
-    def barrier(self):
-        if self.world > 1:
-            dist.barrier()
-
-
 # ----------------------------------------------------------------------------- main
 def setup(cfg, ddp, stack):
     """Everything before the first iteration: data, model, teacher copies, optimizer, resumed state.
@@ -1446,16 +1322,17 @@ def setup(cfg, ddp, stack):
             raise UserError("math_checker=math_verify needs the math-verify package: pip install math-verify") from None
     state = {"iter": 0, "stage": 0, "stage_iter": 0, "zero_acc_evals": 0, "accuracy_matrix": None,
              "base_init": cfg["init_from"], "losses": [], "good": None}
+    log = metrics.RunLog(out_dir, cfg["log_jsonl"], None, ddp.master)
     random.seed(cfg["seed"])
     torch.manual_seed(cfg["seed"])
     if not resume:
         model, tokenizer = load_model(cfg["init_from"], dev, scratch=cfg)
-        fit_prompts(train_tasks, eval_tasks, model, tokenizer, cfg, ddp)
+        fit_prompts(train_tasks, eval_tasks, model, tokenizer, cfg, log)
     if ddp.master:
         stack.enter_context(checkpoint.locked(out_dir))  # from here on, this run owns out_dir
         recovered = checkpoint.recover(ckpt_dir)
         if recovered:
-            say(ddp, recovered)
+            log.say(recovered)
     ddp.barrier()
     if resume:
         saved = checkpoint.read_state(ckpt_dir)
@@ -1463,16 +1340,16 @@ def setup(cfg, ddp, stack):
         checkpoint.check_resume(saved["config"], cfg, parse_stages(saved["config"]["stages"], saved["config"]["dataset"],
                                 saved["config"]["max_iters"]), stages, state)
         model, tokenizer = load_model(ckpt_dir, dev, scratch=cfg)
-        fit_prompts(train_tasks, eval_tasks, model, tokenizer, cfg, ddp)
+        fit_prompts(train_tasks, eval_tasks, model, tokenizer, cfg, log)
     elif ddp.master and checkpoint.earlier_outputs(out_dir):
         earlier = checkpoint.earlier_outputs(out_dir)
         if not cfg["overwrite"]:
             raise UserError(f"out_dir {out_dir} holds an earlier run ({', '.join(earlier)}): continue it with "
                             "--init_from=resume, or replace it with --overwrite=True")
         checkpoint.remove(out_dir, earlier)
-        say(ddp, f"--overwrite=True: removed the earlier run's {', '.join(earlier)} from {out_dir}")
+        log.say(f"--overwrite=True: removed the earlier run's {', '.join(earlier)} from {out_dir}")
     if not has_chat_template(tokenizer):
-        say(ddp, f"note: {cfg['init_from']}'s tokenizer has no chat template: prompts are the messages' text, one per line")
+        log.say(f"note: {cfg['init_from']}'s tokenizer has no chat template: prompts are the messages' text, one per line")
     model.train()
     if cfg["grad_checkpointing"]:
         enable_grad_checkpointing(model)
@@ -1498,17 +1375,15 @@ def setup(cfg, ddp, stack):
         data_rng.setstate(tuple(tuple(x) if isinstance(x, list) else x for x in state["data_rng"]))
         if ddp.master:
             checkpoint.truncate_log(os.path.join(out_dir, "log.jsonl"), state["iter"])
-        say(ddp, f"resumed from {ckpt_dir} at iteration {state['iter']} (stage {state['stage']}, step {state['stage_iter']})")
-    wandb_run = None
+        log.say(f"resumed from {ckpt_dir} at iteration {state['iter']} (stage {state['stage']}, step {state['stage_iter']})")
     if cfg["wandb_log"] and ddp.master:
-        wandb_run = wandb.init(project=cfg["wandb_project"], name=cfg["wandb_run_name"], config=cfg)
-    return dict(stages=stages, eval_names=eval_names, train_tasks=train_tasks, eval_tasks=eval_tasks,
-                wandb=wandb_run, ckpt_dir=ckpt_dir, state=state, model=model, tokenizer=tokenizer,
+        log.wandb = wandb.init(project=cfg["wandb_project"], name=cfg["wandb_run_name"], config=cfg)
+    return dict(stages=stages, eval_names=eval_names, train_tasks=train_tasks, eval_tasks=eval_tasks, log=log, ckpt_dir=ckpt_dir, state=state, model=model, tokenizer=tokenizer,
                 initial_model=initial_model, teacher_model=teacher_model, optimizer=optimizer, generator=generator,
                 data_rng=data_rng, amp=amp_dtype(dev, cfg["dtype"]))
 
 
-def fit_prompts(train_tasks, eval_tasks, model, tokenizer, cfg, ddp):
+def fit_prompts(train_tasks, eval_tasks, model, tokenizer, cfg, log):
     """Check the lengths against the model's context, and leave out (counting them) the prompts
     longer than max_prompt_len tokens; a prompt far longer in characters is left out without being
     tokenized at all (bounded time on any input)."""
@@ -1522,72 +1397,11 @@ def fit_prompts(train_tasks, eval_tasks, model, tokenizer, cfg, ddp):
             kept = [t for t in tasks if sum(len(m["content"]) for m in t["messages"]) <= 64 * cap
                     and len(prompt_ids(tokenizer, t["messages"], cfg["enable_thinking"])) <= cap]
             if len(kept) < len(tasks):
-                say(ddp, f"{name}: left out {len(tasks) - len(kept)} of {len(tasks)} prompts longer than {cap} tokens")
+                log.say(f"{name}: left out {len(tasks) - len(kept)} of {len(tasks)} prompts longer than {cap} tokens")
             if not kept:
                 raise UserError(f"{name}: every prompt is longer than {cap} tokens: raise max_prompt_len (or use a model "
                                 "with a longer context)")
             sets[name] = kept
-
-
-def say(ddp, *args):
-    if ddp.master:
-        print(*args, flush=True)
-
-
-def log(run, cfg, ddp, record):
-    """One record to out_dir/log.jsonl (rank 0) and wandb."""
-    if cfg["log_jsonl"] and ddp.master:
-        with open(os.path.join(cfg["out_dir"], "log.jsonl"), "a") as f:
-            f.write(json.dumps(record) + "\n")
-    if run["wandb"]:
-        run["wandb"].log(record, step=record["iter"])
-
-
-def log_iteration(run, cfg, ddp, stage_desc, record, rollout_metrics, loss_metrics):
-    """Add the rollout metrics (mean over ranks) and the step's token diagnostics (TOKEN_SUMS, over
-    every rank's tokens) to the record, log it, and print one line."""
-    keys = sorted(rollout_metrics)
-    sums = ddp.global_sum([rollout_metrics[k] for k in keys] + [loss_metrics[k] for k in ("loss",) + TOKEN_SUMS])
-    record.update({k: v / ddp.world for k, v in zip(keys, sums)})
-    record["tokens"] *= ddp.world
-    t = dict(zip(("loss",) + TOKEN_SUMS, sums[len(keys):]))
-    record["loss"] = t["loss"]
-    if cfg["algo"] != "sft" and t["tokens"]:
-        record.update(ratio_mean=t["ratio_sum"] / t["tokens"], ratio_max=max(ddp.gather(loss_metrics["ratio_max"])),
-                      clip_frac=t["clipped"] / t["tokens"], kl_sampler=t["kl_sampler_sum"] / t["tokens"],
-                      entropy=t["entropy_sum"] / t["tokens"])
-    if t["distill_tokens"]:
-        record.update(div=t["div_sum"] / t["distill_tokens"], sampled_logratio=(t["logratio_ok_sum"] + t["logratio_failed_sum"])
-                      / t["distill_tokens"])
-        if cfg["distill"] == "topk":
-            record["topk_mass"] = t["topk_mass_sum"] / t["distill_tokens"]
-        for part in ("ok", "failed"):
-            if t[f"logratio_{part}_n"]:
-                record[f"sampled_logratio_{part}"] = t[f"logratio_{part}_sum"] / t[f"logratio_{part}_n"]
-    record.update({k: loss_metrics[k] for k in ("reference_s", "teacher_s", "student_s")})
-    log(run, cfg, ddp, record)
-    shown = " | ".join(f"{k} {record[k]:.4g}" for k in ("loss", "reward", "acc", "resp_len", "div", "peer_frac") if k in record)
-    say(ddp, f"{stage_desc} iter {record['iter']} | {shown} | tok/s {record['tokens'] / record['iter_s']:.0f}"
-        + (f" | gen {record['gen_s']:.2f}s" if "gen_s" in record else "") + f" train {record['train_s']:.2f}s")
-
-
-STUCK_ITERS = 5  # iterations in a row before "nothing is learning" is said out loud
-
-
-def warn_if_stuck(record, state, cfg, ddp):
-    """The most common silent failure of GRPO / SDPO runs: training on nothing. Say so, once per
-    episode, naming the cause and the knob that helps."""
-    signs = {
-        "zero_signal_groups": (record.get("zero_signal_groups") == 1, "every group's rewards were equal, so GRPO had no "
-                               "signal: raise group_size, or use a dataset this model solves sometimes"),
-        "peer_frac": (cfg["algo"] == "sdpo" and record.get("peer_frac") == 0, "no response had a successful peer, so "
-                      "SDPO had no teacher: lower success_threshold, raise group_size, or set use_feedback=True"),
-        "truncated": (record.get("truncated") == 1, "every response hit max_new_tokens before an EOS: raise max_new_tokens"),
-    }
-    for key, (bad, advice) in signs.items():
-        state["stuck"][key] = state["stuck"].get(key, 0) + 1 if bad else 0
-        if state["stuck"][key] == STUCK_ITERS:
-            say(ddp, f"warning: for {STUCK_ITERS} iterations in a row {advice}")
 
 
 def run_eval(run, cfg, ddp, tag):
@@ -1611,24 +1425,16 @@ def run_eval(run, cfg, ddp, tag):
         row[name] = acc[f"mean@{n}"]
         state["eval_len"][name] = sum(p[1] for p in parts) / (n * len(scores))
         record.update({f"eval/{name}/{k}": v for k, v in acc.items()}, **{f"eval/{name}/mean_len": state["eval_len"][name]})
-    log(run, cfg, ddp, record)
-    say(ddp, f"eval @ iter {state['iter']} ({tag}): " + ", ".join(f"{k} mean@{n} {v:.3f}" for k, v in row.items()))
+    run["log"].record(record)
+    run["log"].say(f"eval @ iter {state['iter']} ({tag}): " + ", ".join(f"{k} mean@{n} {v:.3f}" for k, v in row.items()))
     return row
 
 
-def log_samples(run, cfg, ddp, batch, tasks, k=4):
-    """A few of the last training batch's rollouts (prompt, response, reward, teacher prompt) to
-    out_dir/samples.jsonl: what the policy writes, and what its teacher reads."""
-    if not (ddp.master and batch is not None and batch.texts):
-        return
-    decode = functools.partial(run["tokenizer"].decode, skip_special_tokens=False)
-    with open(os.path.join(cfg["out_dir"], "samples.jsonl"), "a") as f:
-        for i in range(min(k, len(batch.texts))):
-            teacher = batch.teacher_prompt_ids[i] if batch.teacher_prompt_ids else None
-            f.write(json.dumps({"iter": run["state"]["iter"], "prompt": decode(batch.prompt_ids[i]),
-                                "response": batch.texts[i], "reward": batch.rewards[i],
-                                "answer": tasks[i // cfg["group_size"]]["answer"],
-                                "teacher_prompt": decode(teacher) if teacher else None}) + "\n")
+def log_samples(run, cfg, batch, tasks):
+    """A few of the last training batch's rollouts to out_dir/samples.jsonl."""
+    if batch is not None:
+        decode = functools.partial(run["tokenizer"].decode, skip_special_tokens=False)
+        run["log"].samples(metrics.sample_rows(batch, tasks, cfg["group_size"], decode, run["state"]["iter"]))
 
 
 def check_health(row, name, state, cfg):
@@ -1667,7 +1473,7 @@ def save_checkpoint(run, cfg, ddp):
     # ranks must hold identical weights (same init, same all-reduced steps): check cheaply
     sums = ddp.gather(sum(p.detach().double().sum().item() for p in model.parameters()))
     if ddp.world > 1:
-        log(run, cfg, ddp, {"iter": state["iter"], "rank_param_sums": sums})
+        run["log"].record({"iter": state["iter"], "rank_param_sums": sums})
         if len(set(sums)) > 1:
             raise UserError(f"ranks diverged: parameter sums {sums}")
     rng_states = ddp.gather(run["generator"].get_state())
@@ -1730,7 +1536,7 @@ def main(cfg):
             train_loop(run, cfg, ddp)
         except Collapse as e:
             raise UserError(collapse_message(run, cfg, e)) from None
-    say(ddp, f"done: {run['state']['iter']} iterations; model in {run['ckpt_dir']}")
+    run["log"].say(f"done: {run['state']['iter']} iterations; model in {run['ckpt_dir']}")
     if ddp.world > 1:
         dist.destroy_process_group()
 
@@ -1777,19 +1583,26 @@ def train_loop(run, cfg, ddp):
             # log
             record = {"iter": state["iter"], "stage": name, "lr": lr, "grad_norm": grad_norm,
                       "optimizer_s": t3 - t2, "train_s": t3 - t1, "iter_s": t3 - t0}
-            log_iteration(run, cfg, ddp, stage_desc, record, rollout_metrics, loss_metrics)
-            warn_if_stuck(record, state, cfg, ddp)
+            metrics.iteration_record(record, rollout_metrics, loss_metrics, algo=cfg["algo"], distill=cfg["distill"],
+                                     world=ddp.world, global_sum=ddp.global_sum,
+                                     ratio_max=max(ddp.gather(loss_metrics["ratio_max"])))
+            run["log"].record(record)
+            shown = " | ".join(f"{k} {record[k]:.4g}" for k in ("loss", "reward", "acc", "resp_len", "div") if k in record)
+            run["log"].say(f"{stage_desc} iter {record['iter']} | {shown} | tok/s {record['tokens'] / record['iter_s']:.0f}"
+                           + (f" | gen {record['gen_s']:.2f}s" if "gen_s" in record else "") + f" train {t3 - t1:.2f}s")
+            for warning in metrics.stuck_warnings(record, state["stuck"], cfg["algo"]):
+                run["log"].say(warning)
             # periodic eval (the collapse guard) and checkpoint; the end of a stage has its own
             last = state["stage_iter"] == iters
             if not last and cfg["eval_interval"] and state["stage_iter"] % cfg["eval_interval"] == 0:
-                log_samples(run, cfg, ddp, batch, my_tasks)
+                log_samples(run, cfg, batch, my_tasks)
                 check_health(run_eval(run, cfg, ddp, "periodic"), name, state, cfg)
                 if not cfg["save_interval"]:
                     save_checkpoint(run, cfg, ddp)
             if cfg["save_interval"] and state["iter"] % cfg["save_interval"] == 0 and not last:
                 save_checkpoint(run, cfg, ddp)
         # end of stage: a row of the accuracy matrix, a snapshot, a checkpoint
-        log_samples(run, cfg, ddp, batch, my_tasks)
+        log_samples(run, cfg, batch, my_tasks)
         end_stage(run, cfg, ddp, stage, name)
 
 

@@ -69,7 +69,7 @@ class Runner:
 
     def __init__(self, algo, base, tokenizer, cfg, dev):
         self.algo, self.tokenizer, self.dev = algo, tokenizer, dev
-        self.autocast, self.amp = train.make_autocast(dev, cfg["dtype"]), train.amp_dtype(dev, cfg["dtype"])
+        self.autocast, self.amp = models.make_autocast(dev, cfg["dtype"]), models.amp_dtype(dev, cfg["dtype"])
         self.cfg = dict(cfg, algo=algo)
         train.check_config(self.cfg)
         self.model = copy.deepcopy(base).train()
@@ -77,11 +77,11 @@ class Runner:
                                            betas=(cfg["beta1"], cfg["beta2"]), weight_decay=cfg["weight_decay"])
         self.teacher = self.initial = None
         if algo == "sdpo" and cfg["teacher"] in ("frozen", "trust_region"):
-            self.initial = train.frozen_copy(self.model)
+            self.initial = models.frozen_copy(self.model)
         if algo == "sdpo" and cfg["teacher"] in ("frozen", "ema"):
-            self.teacher = train.frozen_copy(self.model)
+            self.teacher = models.frozen_copy(self.model)
         if cfg["kl_coef"] > 0:
-            self.initial = self.initial or train.frozen_copy(self.model)
+            self.initial = self.initial or models.frozen_copy(self.model)
         self.it = 0
         self.records = []
 
@@ -216,7 +216,7 @@ def main():
     cfg = dict(defaults(), init_from=args.init_from, batch_prompts=args.batch_prompts, group_size=args.group_size,
                max_new_tokens=args.max_new_tokens, seed=args.seed, success_threshold=args.success_threshold,
                micro_batch_size=args.micro_batch_size, dataset=args.dataset)
-    dev = train.pick_device(args.device)
+    dev = models.pick_device(args.device)
     random.seed(args.seed)
     torch.manual_seed(args.seed)
     try:
@@ -285,7 +285,7 @@ def main():
     gen_model = copy.deepcopy(base).eval()
     prompts = [train.prompt_ids(tokenizer, t["messages"]) for t in batches[0]]  # the first timed iteration's prompts
     plens = sorted(len(p) for p in prompts)
-    gb = bench_generate(gen_model, tokenizer, prompts, args, dev, train.make_autocast(dev, cfg["dtype"]))
+    gb = bench_generate(gen_model, tokenizer, prompts, args, dev, models.make_autocast(dev, cfg["dtype"]))
     speedup = gb["hf"]["s"] / gb["rollout"]["s"]
     print(f"\ngeneration, {args.batch_prompts} prompts (those of the first timed iteration; prompt lengths "
           f"{plens[0]}..{plens[-1]}, median {plens[len(plens) // 2]}) x {args.group_size} samples, "

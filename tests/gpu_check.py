@@ -80,6 +80,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 sys.path.insert(0, HERE)
+import models  # noqa: E402
 import train  # noqa: E402
 import bench_loss  # noqa: E402
 
@@ -263,7 +264,7 @@ def check_static_vs_dynamic(C):
     # bf16, so the fp32 run's cache (fp32 values) would be reused and index_copy_ would refuse
     reset_compile()
     with C.guard("a", name):
-        autocast = train.make_autocast(C.dev, "bfloat16")
+        autocast = models.make_autocast(C.dev, "bfloat16")
         dyn, st = gen(False, autocast), gen(True, autocast)
         frac, diff = compare(st, dyn)
         # bf16 rounding differs between eager and compiled kernels: a near-tie may sample another

@@ -69,7 +69,7 @@ def test_fused_and_naive_loss_agree_inside_train(toy_data, algo):
     cfg, model, tokenizer = tiny_setup(toy_data, algo, teacher="live", kl_coef=0.1 if algo == "grpo" else 0.0,
                                        temperature=0.8)
     batch = hand_made_batch(tokenizer, with_teacher=algo == "sdpo")
-    initial = train.frozen_copy(model)
+    initial = models.frozen_copy(model)
     grads = []
     for fused in (True, False):
         model.zero_grad()
@@ -254,7 +254,7 @@ def test_grad_checkpointing_changes_no_gradient(toy_data):
     for ckpt in (False, True):
         cfg, model, tokenizer = tiny_setup(toy_data, "sdpo", teacher="live", grpo_mix=0.5)
         if ckpt:
-            train.enable_grad_checkpointing(model)
+            models.enable_grad_checkpointing(model)
         model.train()
         m = train.loss_backward(model, hand_made_batch(tokenizer, with_teacher=True), cfg, torch.device("cpu"))
         results.append((m["loss"], m["div_sum"], [p.grad for p in model.parameters()]))
