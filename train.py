@@ -165,13 +165,15 @@ max_reprompt_len = 4096  # teacher prompt tokens; longer ones keep their last ma
 teacher = "ema"  # 'frozen', 'ema', 'trust_region' or 'live'
 teacher_rate = 0.05  # ema: τ per optimizer step; trust_region: μ, the weight of the current model
 teacher_init = ""  # optional HF folder / hub id mixed into the initial teacher weights
-teacher_init_alpha = 0.0  # weight of teacher_init in that mix
+teacher_init_alpha = 1.0  # weight of teacher_init in the initial teacher (1 = the teacher is that checkpoint)
 alpha = 0.5  # 0 = forward KL(q‖p), 1 = reverse KL(p‖q), between = generalized JSD
 distill = "topk"  # 'topk', 'full' or 'token' (sampled-token estimator, reverse KL)
 topk = 100  # student top-k support for distill='topk'
 tail = True  # add a tail bucket with the remaining mass (else renormalise over the top-k)
 is_clip = 2.0  # clip of the detached IS weight on the distillation loss (0 = off)
 density = 1.0  # expected fraction of response tokens that get the distillation loss, in (0, 1]
+density_select = "random"  # which tokens at density < 1: 'random', 'disagree' (largest divergence to the teacher), 'last' (the final answer's end)
+distill_agg = "token-mean"  # 'token-mean' (every distilled token of the step alike) or 'seq-mean' (lasgroup/SDPO, TRL: each response's mean, over all responses)
 grpo_mix = 0.0  # loss = (1 - grpo_mix)·distill + grpo_mix·grpo
 fused_loss = True  # chunked LM-head loss with a hand-written backward (False: full logits)
 loss_chunk = 0  # tokens per chunk of the fused loss (0 = 128 on CPU, 512 on CUDA: one [chunk, vocab] fp32 buffer)
@@ -193,6 +195,8 @@ CHOICES = {
     "static_rollout": ("auto", "on", "off"),
     "save_dtype": ("float32", "bfloat16"),
     "math_checker": ("builtin", "math_verify"),
+    "density_select": ("random", "disagree", "last"),
+    "distill_agg": ("token-mean", "seq-mean"),
 }
 RANGES = {  # key: (low, high, low inclusive)
     "density": (0.0, 1.0, False), "alpha": (0.0, 1.0, True), "teacher_rate": (0.0, 1.0, True),
@@ -226,6 +230,15 @@ def check_config(cfg):
         raise UserError(f"min_lr={cfg['min_lr']} must be in [0, learning_rate={cfg['learning_rate']}]")
     if cfg["algo"] != "sft" and cfg["group_size"] < 2:
         raise UserError(f"group_size={cfg['group_size']} must be >= 2 for {cfg['algo']} (advantages and peers need a group)")
+    # knobs that would silently do nothing (the references refuse them too)
+    if cfg["algo"] == "sdpo" and cfg["kl_coef"] > 0 and cfg["grpo_mix"] == 0:
+        raise UserError("kl_coef acts through the GRPO term, which algo=sdpo leaves out at grpo_mix=0: set grpo_mix > 0 or kl_coef=0")
+    if cfg["distill"] == "token" and cfg["alpha"] != 1:
+        raise UserError(f"distill=token estimates the reverse KL (alpha=1) from the sampled token, not alpha={cfg['alpha']}: "
+                        "set --alpha=1, or use distill=topk / full")
+    if cfg["teacher_init"] and not (cfg["algo"] == "sdpo" and cfg["teacher"] in ("frozen", "ema")):
+        raise UserError("teacher_init sets the starting weights of a frozen or EMA teacher: it needs algo=sdpo with "
+                        "teacher=frozen or ema (live is the student, trust_region mixes in the initial model)")
     parse_stages(cfg["stages"], cfg["dataset"], cfg["max_iters"])
 
 
@@ -503,7 +516,10 @@ def group_advantages(rewards, group_size, norm_std, eps=1e-6):
 
 # ----------------------------------------------------------------------------- teacher context
 def strip_thinking(text):
-    """Drop <think>...</think> blocks (and an unclosed trailing one) from a demonstration."""
+    """Drop <think>...</think> blocks from a demonstration, an unclosed trailing one, and everything
+    before a </think> that has no opening tag (the chat template opened the block, as in SDPO-CL)."""
+    if "</think>" in text and "<think>" not in text:
+        text = "<think>" + text
     text = re.sub(r"<think>.*?</think>", "", text, flags=re.DOTALL)
     return text.split("<think>")[0].strip()
 
@@ -538,14 +554,17 @@ def teacher_contexts(tasks, texts, rewards, feedbacks, group_size, cfg):
         feedback = None
         if cfg["use_feedback"] and feedbacks[i] and not (cfg["feedback_only_without_solution"] and peer is not None):
             feedback = feedbacks[i]
-        if peer is None and feedback is None:
-            out.append(None)
-            continue
-        messages = copy.deepcopy(tasks[i // group_size]["messages"])
-        messages[-1]["content"] = teacher_prompt_text(messages[-1]["content"], peer, feedback, cfg["reprompt_template"],
-                                                      cfg["solution_template"], cfg["feedback_template"])
-        out.append(messages)
+        out.append(None if peer is None and feedback is None else
+                   teacher_messages(tasks[i // group_size]["messages"], peer, feedback, cfg))
     return out
+
+
+def teacher_messages(messages, peer, feedback, cfg):
+    """The task's chat messages with the teacher's user turn in place of the last one."""
+    messages = copy.deepcopy(messages)
+    messages[-1]["content"] = teacher_prompt_text(messages[-1]["content"], peer, feedback, cfg["reprompt_template"],
+                                                  cfg["solution_template"], cfg["feedback_template"])
+    return messages
 
 
 # ----------------------------------------------------------------------------- batch assembly
@@ -595,12 +614,10 @@ def build_batch(tasks, model, tokenizer, cfg, generator, dev, autocast=contextli
         # the teacher reads its prompt and then the response: both must fit the model's context
         limit = min(cfg["max_reprompt_len"], (context_length(model) or math.inf) - cfg["max_new_tokens"])
         batch.teacher_prompt_ids, cut = template_teacher_prompts(tokenizer, contexts, cfg, limit)
-        masks = density_masks(lengths, cfg["density"], generator)
+        masks = density_masks(lengths, cfg["density"], generator, cfg["density_select"])
         masks = [m if t is not None and k else torch.zeros_like(m) for m, t, k in zip(masks, batch.teacher_prompt_ids, kept)]
         n_distill = sum(int(m.sum()) for m in masks)
-        # token-mean over every distilled token of the step (all micro-batches, all ranks)
-        step_distill = global_sum([n_distill])[0]
-        batch.distill_weight = [m.float() * (1 - cfg["grpo_mix"]) / max(step_distill, 1) for m in masks]
+        batch.distill_weight = distill_weights(masks, cfg["distill_agg"], 1 - cfg["grpo_mix"], global_sum)
         metrics.update(peer_frac=sum(t is not None for t in batch.teacher_prompt_ids) / len(lengths),
                        distill_frac=n_distill / max(sum(lengths), 1), reprompt_truncated=cut)
     successes = (rewards >= cfg["success_threshold"]).view(-1, G)
@@ -628,6 +645,20 @@ def template_teacher_prompts(tokenizer, contexts, cfg, limit):
     return out, cut
 
 
+def distill_weights(masks, agg, scale, global_sum=list):
+    """Per-token weights of the distillation term over the whole step (all micro-batches, all ranks).
+    token-mean: every distilled token alike, 1 / (distilled tokens in the step); seq-mean (as
+    lasgroup/SDPO and TRL): each response's mean over its distilled tokens, averaged over every
+    response of the step, those without a teacher counting as 0 -- so the step shrinks with the
+    fraction of responses that have a successful peer."""
+    if agg == "token-mean":
+        norms = [max(global_sum([sum(int(m.sum()) for m in masks)])[0], 1)] * len(masks)
+    else:
+        n_seqs = global_sum([len(masks)])[0]
+        norms = [max(int(m.sum()), 1) * n_seqs for m in masks]
+    return [m.float() * scale / z for m, z in zip(masks, norms)]
+
+
 def grpo_weights(n_tokens, has_signal, loss_agg, max_new_tokens, global_sum=list):
     """Per-token aggregation weights of the GRPO term over the whole step.
 
@@ -650,12 +681,17 @@ def grpo_weights(n_tokens, has_signal, loss_agg, max_new_tokens, global_sum=list
     return weights
 
 
-def density_masks(n_tokens, density, generator):
-    """Bernoulli(density) keep-mask per response token (density=1: all kept), drawn on the
-    generator's device."""
+def density_masks(n_tokens, density, generator, select="random"):
+    """Which response tokens get the distillation loss, about `density` of them. random: each token
+    with probability density (drawn on the generator's device); last: the last round(density·n) of
+    each response (where the final answer is); disagree: that many too, placed by loss_backward
+    where the divergence to the teacher is largest (here: a mask with the right count)."""
     if density >= 1.0:
         return [torch.ones(n, dtype=torch.bool) for n in n_tokens]
-    return [(torch.rand(n, generator=generator, device=generator.device) < density).cpu() for n in n_tokens]
+    if select == "random":
+        return [(torch.rand(n, generator=generator, device=generator.device) < density).cpu() for n in n_tokens]
+    keep = [max(1, round(density * n)) if n else 0 for n in n_tokens]
+    return [torch.arange(n) >= n - k if select == "last" else torch.arange(n) < k for n, k in zip(n_tokens, keep)]
 
 
 # ----------------------------------------------------------------------------- loss definition
@@ -1150,6 +1186,25 @@ def teacher_parts(mode, rate, model, teacher_model, initial_model, teacher_promp
         return [part(initial_model, 1.0 - rate), part(model, rate)]  # trust_region
 
 
+def select_by_divergence(h, weight, tokens, teacher, distill_weight, lengths, cfg, token_loss, options):
+    """density_select='disagree': each response keeps its number of distilled tokens, moved to the
+    tokens where the divergence to the teacher is largest (one no-grad pass of the token loss)."""
+    starts = [0, *itertools.accumulate(lengths)]
+    has_teacher = torch.cat([torch.full((n,), bool(distill_weight[a:a + n].any()), device=h.device)
+                             for a, n in zip(starts, lengths)])
+    with torch.no_grad():
+        _, stats = token_loss(h.detach(), weight, tokens, lambda logp, div, t_logp, rows: logp.sum(), teacher=teacher,
+                              div_rows=has_teacher, alpha=cfg["alpha"], distill=cfg["distill"], topk=cfg["topk"],
+                              tail=cfg["tail"], temperature=cfg["temperature"], **options)
+    selected = torch.zeros_like(distill_weight)
+    for a, n in zip(starts, lengths):
+        w = distill_weight[a:a + n]
+        k = int((w > 0).sum())
+        if k:
+            selected[a + stats["div"][a:a + n].abs().topk(k).indices] = w.max()
+    return selected
+
+
 def loss_chunk_size(cfg, dev):
     return cfg["loss_chunk"] or (128 if dev.type == "cpu" else 512)
 
@@ -1190,6 +1245,9 @@ def loss_backward(model, batch, cfg, dev, teacher_model=None, initial_model=None
             h = response_hidden(model, mb.prompt_ids, mb.response_ids, dev)
             weight, scale = lm_head(model)  # logits = scale · (h @ weight.T): the scale goes on h
             h = h * scale if scale != 1 else h
+        if teacher and cfg["density_select"] == "disagree":
+            distill_weight = select_by_divergence(h, weight, tokens, teacher, distill_weight, lengths, cfg, token_loss, options)
+            div_rows = distill_weight > 0
         loss_fn = make_loss_fn(
             algo=cfg["algo"], old_logp=torch.cat(mb.old_logprobs).to(dev), ref_logp=ref_logp,
             advantage=torch.cat([torch.full((n,), float(a)) for n, a in zip(lengths, mb.advantages)]).to(dev),
@@ -1406,28 +1464,38 @@ def fit_prompts(train_tasks, eval_tasks, model, tokenizer, cfg, log):
 
 def run_eval(run, cfg, ddp, tag):
     """Score every eval set (tasks sharded over ranks), log one record with a key per set
-    (eval/<set>/mean@n, so wandb keeps every curve), and return {set: mean@n}."""
-    model, tokenizer, state, n = run["model"], run["tokenizer"], run["state"], cfg["eval_n"]
-    eval_gen = make_generator(cfg["seed"] + 1 + ddp.rank, ddp.device)  # the same samples each time: comparable
-    autocast = make_autocast(ddp.device, cfg["dtype"])
+    (eval/<set>/mean@n, so wandb keeps every curve), and return {set: mean@n}. An SDPO run also
+    scores its teacher reading each prompt with the reference solution as the demonstration
+    (eval/<set>/teacher_mean@n): it shows when the teacher stops being better than the student."""
+    state, n = run["state"], cfg["eval_n"]
+    teacher = {"ema": run["teacher_model"], "frozen": run["teacher_model"], "live": run["model"]}.get(cfg["teacher"])
+    generators = [make_generator(cfg["seed"] + k + ddp.rank, ddp.device) for k in (1, 2)]  # the same samples each eval
     row, record, state["eval_len"] = {}, {"iter": state["iter"], "eval_tag": tag}, {}
     for name, tasks in run["eval_tasks"].items():
-        with autocast():
-            res = evaluate(model, tokenizer, tasks[ddp.rank::ddp.world], n=n, temperature=cfg["eval_temperature"],
-                           top_p=cfg["eval_top_p"], max_new_tokens=cfg["max_new_tokens"],
-                           batch_prompts=max(1, cfg["batch_prompts"] * cfg["group_size"] // n), generator=eval_gen,
-                           enable_thinking=cfg["enable_thinking"], success_threshold=cfg["success_threshold"],
-                           static=use_static_rollout(cfg["static_rollout"], ddp.device), max_rows=cfg["gen_batch_size"],
-                           progress=ddp.master, math_checker=cfg["math_checker"])
-        parts = ddp.gather((res["scores"], res["mean_len"] * n * len(res["scores"])))
-        scores = [row_scores for p in parts for row_scores in p[0]]
-        acc = accuracy_summary(scores, threshold=cfg["success_threshold"])
+        acc, state["eval_len"][name] = score_set(run, cfg, ddp, run["model"], tasks, generators[0])
         row[name] = acc[f"mean@{n}"]
-        state["eval_len"][name] = sum(p[1] for p in parts) / (n * len(scores))
         record.update({f"eval/{name}/{k}": v for k, v in acc.items()}, **{f"eval/{name}/mean_len": state["eval_len"][name]})
+        demos = [dict(t, messages=teacher_messages(t["messages"], t["solution"], None, cfg)) for t in tasks if t.get("solution")]
+        if cfg["algo"] == "sdpo" and teacher is not None and demos:
+            record[f"eval/{name}/teacher_mean@{n}"] = score_set(run, cfg, ddp, teacher, demos, generators[1])[0][f"mean@{n}"]
     run["log"].record(record)
     run["log"].say(f"eval @ iter {state['iter']} ({tag}): " + ", ".join(f"{k} mean@{n} {v:.3f}" for k, v in row.items()))
     return row
+
+
+def score_set(run, cfg, ddp, model, tasks, generator):
+    """mean@n / pass@n and the mean response length of `model` on one eval set, over every rank."""
+    n = cfg["eval_n"]
+    with make_autocast(ddp.device, cfg["dtype"])():
+        res = evaluate(model, run["tokenizer"], tasks[ddp.rank::ddp.world], n=n, temperature=cfg["eval_temperature"],
+                       top_p=cfg["eval_top_p"], max_new_tokens=cfg["max_new_tokens"],
+                       batch_prompts=max(1, cfg["batch_prompts"] * cfg["group_size"] // n), generator=generator,
+                       enable_thinking=cfg["enable_thinking"], success_threshold=cfg["success_threshold"],
+                       static=use_static_rollout(cfg["static_rollout"], ddp.device), max_rows=cfg["gen_batch_size"],
+                       progress=ddp.master, math_checker=cfg["math_checker"])
+    parts = ddp.gather((res["scores"], res["mean_len"] * n * len(res["scores"])))
+    scores = [row_scores for p in parts for row_scores in p[0]]
+    return accuracy_summary(scores, threshold=cfg["success_threshold"]), sum(p[1] for p in parts) / (n * len(scores))
 
 
 def log_samples(run, cfg, batch, tasks):
