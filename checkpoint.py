@@ -1,6 +1,6 @@
 """
-The run folder: what train.py keeps in out_dir, and how it survives crashes, collapses, a second
-run and a changed config.
+The run folder: what train.py keeps in out_dir, and how it survives crashes, collapses (the collapse
+guard is here: it decides which checkpoint is a good one), a second run and a changed config.
 
     out_dir/
       .lock                 held while a run writes here: a second run into the same folder stops
@@ -22,8 +22,11 @@ under one of the three names, and recover() puts the newest complete one back at
 """
 import contextlib
 import json
+import math
 import os
+import re
 import shutil
+import statistics
 import struct
 
 import torch
@@ -31,7 +34,7 @@ from safetensors.torch import load_file, load_model, save_file, save_model
 
 from configurator import UserError
 
-RUN_OUTPUTS = ("log.jsonl", "samples.jsonl", "accuracy_matrix.json", "ckpt", "ckpt_good")  # + stage* and eval.*
+RUN_OUTPUTS = r"log\.jsonl|samples\.jsonl|accuracy_matrix\.json|ckpt(_good)?(\.tmp|\.old)?|stage\d+_.+|eval(_\w+)?\.(json|md|png)"
 # config keys a resumed run may change: where and how it runs, not what it computes
 RESUMABLE = {"out_dir", "init_from", "data_dir", "tokenizer_path", "device", "dtype", "overwrite", "log_jsonl",
              "wandb_log", "wandb_project", "wandb_run_name", "eval_interval", "save_interval", "save_dtype",
@@ -88,18 +91,28 @@ def _alive(pid):
     return pid != os.getpid()
 
 
+@contextlib.contextmanager
+def take_over(out_dir, resume, overwrite):
+    """Own out_dir for a run (locked), with a checkpoint that a crash left between its renames put
+    back; a fresh run into an earlier run's folder refuses, unless told to overwrite it. Yields the
+    notes to print."""
+    with locked(out_dir):
+        notes = [recover(os.path.join(out_dir, "ckpt"))]
+        earlier = [] if resume else earlier_outputs(out_dir)
+        if earlier and not overwrite:
+            raise UserError(f"out_dir {out_dir} holds an earlier run ({', '.join(earlier)}): continue it with "
+                            "--init_from=resume, or replace it with --overwrite=True")
+        for name in earlier:
+            path = os.path.join(out_dir, name)
+            shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+        if earlier:
+            notes.append(f"--overwrite=True: removed the earlier run's {', '.join(earlier)} from {out_dir}")
+        yield [n for n in notes if n]
+
+
 def earlier_outputs(out_dir):
     """The files and folders of an earlier run in out_dir (others are left alone)."""
-    if not os.path.isdir(out_dir):
-        return []
-    return sorted(f for f in os.listdir(out_dir) if f in RUN_OUTPUTS or f.startswith(("stage", "eval.", "eval_"))
-                  or f.startswith("ckpt."))
-
-
-def remove(out_dir, names):
-    for name in names:
-        path = os.path.join(out_dir, name)
-        shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+    return sorted(f for f in os.listdir(out_dir) if re.fullmatch(RUN_OUTPUTS, f))
 
 
 def truncate_log(path, iteration):
@@ -232,6 +245,49 @@ def load_trainer(ckpt_dir, state, model, optimizer, teacher_model):
             raise UserError(f"{path} is missing: the checkpoint has no teacher to resume")
         load_model(teacher_model, path)
     return {k[4:]: v for k, v in tensors.items() if k.startswith("rng.")}
+
+
+# ----------------------------------------------------------------------------- the collapse guard
+class Collapse(Exception):
+    """Training diverged or collapsed; the last good checkpoint is kept."""
+
+
+def check_health(row, name, state, cfg):
+    """The collapse guard: for collapse_patience evals in a row, zero accuracy on the training set(s)
+    after they had been solved sometimes, or (nearly) empty responses -- a policy that stopped
+    answering. A healthy eval makes the checkpoint that follows it the run's last good one."""
+    own = [n for n in name.split("+") if n in row]
+    best = state.setdefault("best", {})
+    dead = own and ((max(row[n] for n in own) == 0 and max(best.get(n, 0) for n in own) > 0)
+                    or max(state["eval_len"][n] for n in own) < 2)
+    best.update({n: max(best.get(n, 0), v) for n, v in row.items()})
+    state["zero_acc_evals"] = state["zero_acc_evals"] + 1 if dead else 0
+    state["healthy_at"] = None if dead else {"iter": state["iter"], "acc": row}
+    if cfg["stop_on_collapse"] and state["zero_acc_evals"] >= cfg["collapse_patience"]:
+        raise Collapse(f"{name}: zero accuracy or empty responses for {state['zero_acc_evals']} evals in a row")
+
+
+RUNAWAY = 10  # a loss this many times its running median (+1) means the run diverged
+
+
+def check_step(loss, state):
+    """Divergence the eval guard would see too late: a non-finite loss, or one far above its running
+    median (the last 20 iterations)."""
+    if not math.isfinite(loss):
+        raise Collapse(f"loss is {loss}")
+    recent = state["losses"][-20:]
+    if len(recent) >= 10 and abs(loss) > RUNAWAY * statistics.median(map(abs, recent)) + 1:
+        raise Collapse(f"loss {loss:.4g} is far above its running median {statistics.median(recent):.4g} (diverging)")
+    state["losses"] = recent + [loss]
+
+
+def collapse_message(ckpt_dir, state, error):
+    """Where the run stopped and which checkpoint to go back to, truthfully."""
+    good = state["good"]
+    where = (f"{ckpt_dir}_good (iteration {good['iter']}, eval " + ", ".join(f"{k} {v:.3f}" for k, v in good["acc"].items())
+             + ")") if good else f"none: no checkpoint passed the guard yet (the run started from {state['base_init']})"
+    return (f"training stopped after {state['iter']} iterations: {error}. The last checkpoint that passed the collapse "
+            f"guard: {where}")
 
 
 # ----------------------------------------------------------------------------- resuming

@@ -1,7 +1,8 @@
 """
 Any HF causal LM, the way train.py needs it, and where it runs: loaded (or a toy model built from
-scratch), its decoder body and LM head taken apart for the fused loss, checked once at load, its
-EOS ids and its prompts; the device, autocast, and torchrun's ranks (Dist).
+scratch), called with a KV cache (and on CUDA through a static cache and a compiled, CUDA-graphed
+decode step), its decoder body and LM head taken apart for the fused loss, checked once at load,
+its EOS ids and its prompts; the device, autocast, and torchrun's ranks (Dist).
 
 train.py never asks the model for its training logits: it runs the decoder body, keeps the final
 hidden states h and does the LM head itself, in chunks (models.lm_head). That is only right if the
@@ -18,7 +19,7 @@ import os
 
 import torch
 import torch.distributed as dist
-from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, Qwen2Config, Qwen2ForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, Qwen2Config, Qwen2ForCausalLM, StaticCache
 from huggingface_hub.utils import logging as hf_hub_logging
 from transformers.utils import logging as hf_logging
 
@@ -37,6 +38,58 @@ SOFTCAP_FIELDS = ("final_logit_softcapping", "logits_soft_cap", "output_logit_so
 
 class ModelError(UserError):
     """The model cannot be loaded or trained here: one line, like every UserError."""
+
+
+def forward_with_cache(model, ids, mask, position, cache, **kwargs):
+    """The model's last-position logits [rows, V], reading and extending the KV cache (position None:
+    an ALiBi model, whose positions follow the mask). Also the decode step that static_rollout compiles."""
+    positions = {} if position is None else {"position_ids": position}
+    return model(input_ids=ids, attention_mask=mask, **positions, **{CACHE: cache}, use_cache=True, **kwargs).logits[:, -1]
+
+
+def bucket(n, per_octave=4, smallest=64):
+    """n rounded up to one of `per_octave` sizes per power of two (at least `smallest`): a run
+    sees a handful of distinct sizes, and wastes at most 1/per_octave of each."""
+    if n <= smallest:
+        return smallest
+    step = max(1, (1 << (n.bit_length() - 1)) // per_octave)
+    return -(-n // step) * step
+
+
+_static_caches, _compiled_steps = {}, {}
+
+
+def static_decoding(model, prefill_cache, mask, max_new_tokens):
+    """Move a prefilled DynamicCache into a StaticCache; return (cache, attention mask, step).
+
+    The cache length is bucketed and cache buffers are kept per shape, so a run compiles a
+    handful of shapes once and then reuses them. The mask already covers every future position
+    (the causal mask hides the unwritten ones): one shape for every decode step."""
+    rows, width = mask.shape
+    length = bucket(width + max_new_tokens)
+    k, v = prefill_cache.layers[0].keys, prefill_cache.layers[0].values
+    key = (rows, length, len(prefill_cache.layers), k.shape[1], k.shape[3], k.dtype, v.dtype, k.device)
+    if key not in _static_caches:
+        _static_caches[key] = StaticCache(config=model.config, max_cache_len=length)
+    cache = _static_caches[key]
+    cache.reset()
+    for static_layer, layer in zip(cache.layers, prefill_cache.layers):
+        static_layer.update(layer.keys, layer.values)  # writes positions 0..width-1
+    mask = torch.cat([mask, mask.new_ones(rows, length - width)], dim=1)
+    cuda = mask.device.type == "cuda"
+    if cuda not in _compiled_steps:  # CUDA: capture each step shape once as a CUDA graph
+        _compiled_steps[cuda] = torch.compile(forward_with_cache, mode="reduce-overhead" if cuda else "default")
+
+    def step(*args):
+        if cuda:  # the previous step's graph outputs are consumed; let the next replay reuse them
+            torch.compiler.cudagraph_mark_step_begin()
+        return _compiled_steps[cuda](*args)
+    return cache, mask, step
+
+
+def use_static_rollout(setting, dev):
+    """static_rollout 'auto' means on for CUDA (CUDA graphs pay off there) and off on a CPU."""
+    return setting == "on" or (setting == "auto" and dev.type == "cuda")
 
 
 def decoder_body(model):

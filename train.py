@@ -71,7 +71,6 @@ import math
 import os
 import random
 import re
-import statistics
 import sys
 import time
 from dataclasses import dataclass, fields
@@ -79,15 +78,16 @@ from dataclasses import dataclass, fields
 import torch
 import torch.distributed as dist
 from tqdm import tqdm
-from transformers import DynamicCache, StaticCache
+from transformers import DynamicCache
 
 import checkpoint
+from checkpoint import Collapse, check_health, check_step
 import metrics
 from configurator import UserError
-from data import checkers
-from models import (CACHE, Dist, amp_dtype, body_forward, context_length, decoder_body, enable_grad_checkpointing,
-                    frozen_copy, has_chat_template, lm_head, load_model, make_autocast, prompt_ids, stop_token_ids,
-                    takes_position_ids)
+from data import checkers, tasks as task_files
+from models import (Dist, amp_dtype, body_forward, context_length, decoder_body, enable_grad_checkpointing,
+                    forward_with_cache, frozen_copy, has_chat_template, lm_head, load_model, make_autocast, prompt_ids,
+                    static_decoding, stop_token_ids, takes_position_ids, use_static_rollout)
 
 # ----------------------------------------------------------------------------- defaults
 # Every line `name = value  # help` below is a config key: config files and --name=value
@@ -256,52 +256,11 @@ def parse_stages(stages, dataset, max_iters):
 
 
 # ----------------------------------------------------------------------------- data
-# A task is one JSON line of data_dir/<name>/{train,test}.jsonl:
-#   {"id", "domain", "kind": a key of REWARD_FNS, "messages": [{"role", "content"}...], "answer", "solution"?}
-# `messages` is the prompt (an optional system turn, then the user turn); `solution` is the
-# reference response that SFT trains on. data/<name>/prepare.py writes these files.
+# A task is one JSON line of data_dir/<name>/{train,test}.jsonl (data/tasks.py has the schema), its
+# `kind` one of REWARD_FNS below; data/<name>/prepare.py writes the files.
 def load_tasks(name, split, data_dir="data", need_solution=False):
-    """Read and check data_dir/<name>/<split>.jsonl ('a+b' mixes sets): every record, up front."""
-    tasks = []
-    for part in name.split("+"):
-        path = os.path.join(data_dir, part, f"{split}.jsonl")
-        if not os.path.exists(path):
-            prepare = os.path.join(data_dir, part.split("/")[0], "prepare.py")
-            raise UserError(f"{path} not found: run `python {prepare}` first")
-        with open(path, "rb") as f:
-            for lineno, raw in enumerate(f, 1):
-                where = f"{path}:{lineno}"
-                try:
-                    line = raw.decode("utf-8")
-                except UnicodeDecodeError:
-                    raise UserError(f"{where}: not UTF-8 text: re-encode the file as UTF-8") from None
-                if not line.strip():
-                    continue
-                try:
-                    task = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise UserError(f"{where}: not valid JSON ({e.msg})") from None
-                check_task(task, where, need_solution)
-                tasks.append(task)
-    if not tasks:
-        raise UserError(f"{name} ({split}) has no tasks: the file is empty; rerun its prepare.py")
-    return tasks
-
-
-def check_task(task, where, need_solution):
-    """One record against the schema above; the error names the field and the fix."""
-    if not isinstance(task, dict):
-        raise UserError(f"{where}: a task must be a JSON object with kind, messages and answer")
-    if task.get("kind") not in REWARD_FNS:
-        raise UserError(f"{where}: kind={task.get('kind')!r} has no answer checker (one of {', '.join(REWARD_FNS)})")
-    msgs = task.get("messages")
-    if not (isinstance(msgs, list) and msgs and all(isinstance(m, dict) and isinstance(m.get("role"), str)
-                                                    and isinstance(m.get("content"), str) for m in msgs)):
-        raise UserError(f"{where}: messages must be a non-empty list of {{\"role\": str, \"content\": str}} objects")
-    if not checkers.answer_text(task.get("answer")).strip():
-        raise UserError(f"{where}: answer is missing or empty: every task needs a reference answer")
-    if need_solution and not (isinstance(task.get("solution"), str) and task["solution"].strip()):
-        raise UserError(f"{where}: algo=sft needs a 'solution' (the reference response) in every training task")
+    """data/tasks.py's load with this file's answer kinds: every record checked, up front."""
+    return task_files.load(name, split, data_dir, kinds=REWARD_FNS, need_solution=need_solution)
 
 
 # ----------------------------------------------------------------------------- reward
@@ -450,58 +409,6 @@ def decode(model, prompts, *, group_size, max_new_tokens, temperature, top_p, eo
     return Batch(prompt_ids=[p for p in prompts for _ in range(group_size)], response_ids=response_ids,
                  old_logprobs=[logps[i, :n] for i, n in enumerate(lengths)],
                  truncated=[not (r and r[-1] in eos_set) for r in response_ids])
-
-
-def forward_with_cache(model, ids, mask, position, cache, **kwargs):
-    """The model's last-position logits [rows, V], reading and extending the KV cache (position None:
-    an ALiBi model, whose positions follow the mask). Also the decode step that static_rollout compiles."""
-    positions = {} if position is None else {"position_ids": position}
-    return model(input_ids=ids, attention_mask=mask, **positions, **{CACHE: cache}, use_cache=True, **kwargs).logits[:, -1]
-
-
-def bucket(n, per_octave=4, smallest=64):
-    """n rounded up to one of `per_octave` sizes per power of two (at least `smallest`): a run
-    sees a handful of distinct sizes, and wastes at most 1/per_octave of each."""
-    if n <= smallest:
-        return smallest
-    step = max(1, (1 << (n.bit_length() - 1)) // per_octave)
-    return -(-n // step) * step
-
-
-_static_caches, _compiled_steps = {}, {}
-
-
-def static_decoding(model, prefill_cache, mask, max_new_tokens):
-    """Move a prefilled DynamicCache into a StaticCache; return (cache, attention mask, step).
-
-    The cache length is bucketed and cache buffers are kept per shape, so a run compiles a
-    handful of shapes once and then reuses them. The mask already covers every future position
-    (the causal mask hides the unwritten ones): one shape for every decode step."""
-    rows, width = mask.shape
-    length = bucket(width + max_new_tokens)
-    k, v = prefill_cache.layers[0].keys, prefill_cache.layers[0].values
-    key = (rows, length, len(prefill_cache.layers), k.shape[1], k.shape[3], k.dtype, v.dtype, k.device)
-    if key not in _static_caches:
-        _static_caches[key] = StaticCache(config=model.config, max_cache_len=length)
-    cache = _static_caches[key]
-    cache.reset()
-    for static_layer, layer in zip(cache.layers, prefill_cache.layers):
-        static_layer.update(layer.keys, layer.values)  # writes positions 0..width-1
-    mask = torch.cat([mask, mask.new_ones(rows, length - width)], dim=1)
-    cuda = mask.device.type == "cuda"
-    if cuda not in _compiled_steps:  # CUDA: capture each step shape once as a CUDA graph
-        _compiled_steps[cuda] = torch.compile(forward_with_cache, mode="reduce-overhead" if cuda else "default")
-
-    def step(*args):
-        if cuda:  # the previous step's graph outputs are consumed; let the next replay reuse them
-            torch.compiler.cudagraph_mark_step_begin()
-        return _compiled_steps[cuda](*args)
-    return cache, mask, step
-
-
-def use_static_rollout(setting, dev):
-    """static_rollout 'auto' means on for CUDA (CUDA graphs pay off there) and off on a CPU."""
-    return setting == "on" or (setting == "auto" and dev.type == "cuda")
 
 
 # ----------------------------------------------------------------------------- advantages
@@ -921,6 +828,48 @@ def _teacher_chunk(t_parts, buf, y, full, transposed):
     return zt_y - t_max - t_log_norm, t_max, t_log_norm, None
 
 
+def _loss_grads(loss_fn, logp, div, tlogp, rows, d_idx, distill, topk_graph):
+    """The caller's loss on a chunk's [c] vectors, and by a tiny local autograd: d loss / d logp [c],
+    d loss / d div at the distillation rows [nd] (None for "token", where div is a constant), and
+    back through the top-k buckets d loss / d s_k [nd, k] (topk_graph: the divergence and s_k)."""
+    with torch.enable_grad():
+        logp_leaf = logp.clone().requires_grad_()
+        div_leaf = div.clone().requires_grad_(distill != "token")
+        out = loss_fn(logp_leaf, div_leaf, tlogp, rows)
+        leaves = [logp_leaf, div_leaf] if distill != "token" else [logp_leaf]
+        grads = torch.autograd.grad(out, leaves, allow_unused=True) if out.requires_grad else [None] * len(leaves)
+        g_logp = grads[0] if grads[0] is not None else torch.zeros_like(logp)
+        g_div = grads[1][d_idx] if distill != "token" and grads[1] is not None else None
+        g_sk = None
+        if topk_graph is not None and g_div is not None:
+            (g_sk,) = torch.autograd.grad(topk_graph[0], topk_graph[1], grad_outputs=g_div)
+    return out, g_logp, g_div, g_sk
+
+
+def _logit_grads(p, log_norm, y, g_logp, d_idx, all_div, g_sk, top_idx, ddiv_dz, g_div):
+    """d loss / d z for a chunk, in place in the probability buffer p (normalised, or exp(z - max)
+    with its log_norm). With s = log_softmax(z): dL/dz = G - p * sum(G), G = dL/ds, which is sparse
+    but for "full": nonzero at y (from logp) and at the top-k (g_sk); "full" adds its closed-form
+    divergence gradient ddiv_dz, scaled by g_div."""
+    g_sum = g_logp.clone()
+    if g_sk is not None:
+        g_sum[d_idx] += g_sk.sum(1)
+    scale = -g_sum if log_norm is None else -g_sum * torch.exp(-log_norm)
+    dz = p.mul_(scale[:, None])
+    dz.scatter_add_(1, y, g_logp[:, None])
+    if g_sk is not None and all_div:
+        dz.scatter_add_(1, top_idx, g_sk)
+    elif g_sk is not None:
+        dz.index_put_((d_idx[:, None].expand_as(top_idx), top_idx), g_sk, accumulate=True)
+    if ddiv_dz is not None:
+        ddiv_dz.mul_(g_div[:, None])
+        if all_div:
+            dz.add_(ddiv_dz)
+        else:
+            dz.index_add_(0, d_idx, ddiv_dz)
+    return dz
+
+
 class _FusedTokenLoss(torch.autograd.Function):
     """Chunked forward that also computes d loss / d hidden and d loss / d weight (the output is a
     scalar, so the backward only has to scale them). Per chunk of rows, in order: the teacher's
@@ -1001,7 +950,7 @@ class _FusedTokenLoss(torch.autograd.Function):
             logp = z_y - z_max - log_norm
 
             # ---- divergence (and what its gradient needs)
-            ddiv_dz = None
+            ddiv_dz = d = s_k = None
             if nd and distill == "topk":  # a small [nd, k] graph: the divergence of the top-k log-probs s_k
                 with torch.enable_grad():
                     s_k = (z_k - z_max[d_idx, None] - log_norm[d_idx, None]).requires_grad_()
@@ -1016,43 +965,17 @@ class _FusedTokenLoss(torch.autograd.Function):
                 div[d_idx] = logp[d_idx] - tlogp[d_idx]
             s_all = t = None
 
-            # ---- the caller's loss on the [c] vectors: d loss / d logp and d loss / d div
-            with torch.enable_grad():
-                logp_leaf = logp.clone().requires_grad_()
-                div_leaf = div.clone().requires_grad_(distill != "token")  # "token": div is a constant
-                out = loss_fn(logp_leaf, div_leaf, tlogp, slice(a, b))
-                leaves = [logp_leaf, div_leaf] if distill != "token" else [logp_leaf]
-                grads = torch.autograd.grad(out, leaves, allow_unused=True) if out.requires_grad else [None] * len(leaves)
-                g_logp = grads[0] if grads[0] is not None else torch.zeros_like(logp)
-                g_div = grads[1][d_idx] if distill != "token" and grads[1] is not None else None
-                g_sk = None  # back through the top-k buckets: d loss / d s_k, [nd, k]
-                if nd and distill == "topk" and g_div is not None:
-                    (g_sk,) = torch.autograd.grad(d, s_k, grad_outputs=g_div)
+            # ---- the caller's loss on the [c] vectors, and its gradients
+            out, g_logp, g_div, g_sk = _loss_grads(loss_fn, logp, div, tlogp, slice(a, b), d_idx, distill,
+                                                   (d, s_k) if nd and distill == "topk" else None)
             total += out.detach().to(dt)
             logp_all[a:b], div_all[a:b], tlogp_all[a:b] = logp, div, tlogp
             if not (need_gh or need_gw):
                 continue
 
-            # ---- d loss / d z, in place in the p buffer. With s = log_softmax(z):
-            # dL/dz = G - p * sum(G), G = dL/ds, which is sparse except for "full":
-            # nonzero at y (from logp) and at the top-k (from div).
-            g_sum = g_logp.clone()
-            if g_sk is not None:
-                g_sum[d_idx] += g_sk.sum(1)
-            scale = -g_sum if full else -g_sum * torch.exp(-log_norm)  # p unnormalised
-            dz = p.mul_(scale[:, None])
-            dz.scatter_add_(1, y, g_logp[:, None])
-            if g_sk is not None:
-                if all_div:
-                    dz.scatter_add_(1, top_idx, g_sk)
-                else:
-                    dz.index_put_((d_idx[:, None].expand_as(top_idx), top_idx), g_sk, accumulate=True)
-            if ddiv_dz is not None and g_div is not None:
-                ddiv_dz.mul_(g_div[:, None])
-                if all_div:
-                    dz.add_(ddiv_dz)
-                else:
-                    dz.index_add_(0, d_idx, ddiv_dz)
+            # ---- d loss / d z, in place in the p buffer
+            dz = _logit_grads(p, None if full else log_norm, y, g_logp, d_idx, all_div, g_sk,
+                              top_idx if g_sk is not None else None, ddiv_dz if g_div is not None else None, g_div)
             ddiv_dz = None
 
             # ---- chain through z = (h / T) @ W.T (the weight grad accumulates in fp32)
@@ -1285,10 +1208,6 @@ def set_lr(optimizer, it, learning_rate, warmup_iters, total_iters, decay_lr, mi
     return lr
 
 
-class Collapse(Exception):
-    """Training diverged or collapsed; the last good checkpoint is kept."""
-
-
 def optimizer_step(model, optimizer, grad_clip):
     """Clip and step; raise Collapse on a non-finite gradient (no step taken) or when the step left
     non-finite weights (an overflowing learning rate): sampling from them would fail next."""
@@ -1386,11 +1305,9 @@ def setup(cfg, ddp, stack):
     if not resume:
         model, tokenizer = load_model(cfg["init_from"], dev, scratch=cfg)
         fit_prompts(train_tasks, eval_tasks, model, tokenizer, cfg, log)
-    if ddp.master:
-        stack.enter_context(checkpoint.locked(out_dir))  # from here on, this run owns out_dir
-        recovered = checkpoint.recover(ckpt_dir)
-        if recovered:
-            log.say(recovered)
+    if ddp.master:  # from here on, this run owns out_dir (a fresh run's inputs are all checked by now)
+        for note in stack.enter_context(checkpoint.take_over(out_dir, resume, cfg["overwrite"])):
+            log.say(note)
     ddp.barrier()
     if resume:
         saved = checkpoint.read_state(ckpt_dir)
@@ -1399,13 +1316,6 @@ def setup(cfg, ddp, stack):
                                 saved["config"]["max_iters"]), stages, state)
         model, tokenizer = load_model(ckpt_dir, dev, scratch=cfg)
         fit_prompts(train_tasks, eval_tasks, model, tokenizer, cfg, log)
-    elif ddp.master and checkpoint.earlier_outputs(out_dir):
-        earlier = checkpoint.earlier_outputs(out_dir)
-        if not cfg["overwrite"]:
-            raise UserError(f"out_dir {out_dir} holds an earlier run ({', '.join(earlier)}): continue it with "
-                            "--init_from=resume, or replace it with --overwrite=True")
-        checkpoint.remove(out_dir, earlier)
-        log.say(f"--overwrite=True: removed the earlier run's {', '.join(earlier)} from {out_dir}")
     if not has_chat_template(tokenizer):
         log.say(f"note: {cfg['init_from']}'s tokenizer has no chat template: prompts are the messages' text, one per line")
     model.train()
@@ -1442,24 +1352,17 @@ def setup(cfg, ddp, stack):
 
 
 def fit_prompts(train_tasks, eval_tasks, model, tokenizer, cfg, log):
-    """Check the lengths against the model's context, and leave out (counting them) the prompts
-    longer than max_prompt_len tokens; a prompt far longer in characters is left out without being
-    tokenized at all (bounded time on any input)."""
-    context = context_length(model) or float("inf")
+    """The prompts that fit: max_prompt_len (default: the model's context minus max_new_tokens),
+    checked against the context; longer prompts are left out and counted."""
+    context = context_length(model) or math.inf
     cap = cfg["max_prompt_len"] or context - cfg["max_new_tokens"]
     if cap <= 0 or cap + cfg["max_new_tokens"] > context:
         raise UserError(f"max_prompt_len={cfg['max_prompt_len']} + max_new_tokens={cfg['max_new_tokens']} exceeds the "
                         f"model's context of {context} tokens: lower them")
     for sets in (train_tasks, eval_tasks):
-        for name, tasks in sets.items():
-            kept = [t for t in tasks if sum(len(m["content"]) for m in t["messages"]) <= 64 * cap
-                    and len(prompt_ids(tokenizer, t["messages"], cfg["enable_thinking"])) <= cap]
-            if len(kept) < len(tasks):
-                log.say(f"{name}: left out {len(tasks) - len(kept)} of {len(tasks)} prompts longer than {cap} tokens")
-            if not kept:
-                raise UserError(f"{name}: every prompt is longer than {cap} tokens: raise max_prompt_len (or use a model "
-                                "with a longer context)")
-            sets[name] = kept
+        for name in sets:
+            sets[name] = task_files.fitting(sets[name], name, cap, lambda m: len(prompt_ids(tokenizer, m, cfg["enable_thinking"])),
+                                            log.say)
 
 
 def run_eval(run, cfg, ddp, tag):
@@ -1503,35 +1406,6 @@ def log_samples(run, cfg, batch, tasks):
     if batch is not None:
         decode = functools.partial(run["tokenizer"].decode, skip_special_tokens=False)
         run["log"].samples(metrics.sample_rows(batch, tasks, cfg["group_size"], decode, run["state"]["iter"]))
-
-
-def check_health(row, name, state, cfg):
-    """The collapse guard: for collapse_patience evals in a row, zero accuracy on the training set(s)
-    after they had been solved sometimes, or (nearly) empty responses -- a policy that stopped
-    answering. A healthy eval makes the checkpoint that follows it the run's last good one."""
-    own = [n for n in name.split("+") if n in row]
-    best = state.setdefault("best", {})
-    dead = own and ((max(row[n] for n in own) == 0 and max(best.get(n, 0) for n in own) > 0)
-                    or max(state["eval_len"][n] for n in own) < 2)
-    best.update({n: max(best.get(n, 0), v) for n, v in row.items()})
-    state["zero_acc_evals"] = state["zero_acc_evals"] + 1 if dead else 0
-    state["healthy_at"] = None if dead else {"iter": state["iter"], "acc": row}
-    if cfg["stop_on_collapse"] and state["zero_acc_evals"] >= cfg["collapse_patience"]:
-        raise Collapse(f"{name}: zero accuracy or empty responses for {state['zero_acc_evals']} evals in a row")
-
-
-RUNAWAY = 10  # a loss this many times its running median (+1) means the run diverged
-
-
-def check_step(loss, state):
-    """Divergence the eval guard would see too late: a non-finite loss, or one far above its running
-    median (the last 20 iterations)."""
-    if not math.isfinite(loss):
-        raise Collapse(f"loss is {loss}")
-    recent = state["losses"][-20:]
-    if len(recent) >= 10 and abs(loss) > RUNAWAY * statistics.median(map(abs, recent)) + 1:
-        raise Collapse(f"loss {loss:.4g} is far above its running median {statistics.median(recent):.4g} (diverging)")
-    state["losses"] = recent + [loss]
 
 
 def save_checkpoint(run, cfg, ddp):
@@ -1584,15 +1458,6 @@ def end_stage(run, cfg, ddp, stage, name):
     save_checkpoint(run, cfg, ddp)
 
 
-def collapse_message(run, cfg, error):
-    """Where the run stopped and which checkpoint to go back to, truthfully."""
-    state, good = run["state"], run["state"]["good"]
-    where = (f"{run['ckpt_dir']}_good (iteration {good['iter']}, eval "
-             + ", ".join(f"{k} {v:.3f}" for k, v in good["acc"].items()) + ")") if good else \
-        f"none: no checkpoint passed the guard yet (the run started from {state['base_init']})"
-    return f"training stopped after {state['iter']} iterations: {error}. The last checkpoint that passed the collapse guard: {where}"
-
-
 def main(cfg):
     check_config(cfg)
     ddp = Dist(cfg["device"])
@@ -1603,7 +1468,7 @@ def main(cfg):
         try:
             train_loop(run, cfg, ddp)
         except Collapse as e:
-            raise UserError(collapse_message(run, cfg, e)) from None
+            raise UserError(checkpoint.collapse_message(run["ckpt_dir"], run["state"], e)) from None
     run["log"].say(f"done: {run['state']['iter']} iterations; model in {run['ckpt_dir']}")
     if ddp.world > 1:
         dist.destroy_process_group()

@@ -65,6 +65,7 @@ if __name__ == "__main__" and len(sys.argv) > 1 and sys.argv[1] == "--train":
 import argparse  # noqa: E402
 import contextlib  # noqa: E402
 import json  # noqa: E402
+import traceback  # noqa: E402
 import math  # noqa: E402
 import os  # noqa: E402
 import shutil  # noqa: E402
@@ -147,8 +148,8 @@ def fmt(x):
 def reset_compile():
     """A fresh torch.compile state: the static path compiles as it would in a new process."""
     torch._dynamo.reset()
-    train._compiled_steps.clear()
-    train._static_caches.clear()
+    models._compiled_steps.clear()
+    models._static_caches.clear()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
 
@@ -213,7 +214,7 @@ def check_fused_vs_naive(C):
 def toy_model(C, n_layer=2, n_embd=64):
     cfg = dict(tokenizer_path=os.path.join(ROOT, "data", "toy", "tokenizer"), n_embd=n_embd, n_layer=n_layer,
                n_head=4, block_size=256, seed=0)
-    model, tokenizer = train.load_model("scratch", cfg, C.dev, torch.float32)
+    model, tokenizer = models.load_model("scratch", C.dev, scratch=cfg)
     return model.eval(), tokenizer
 
 
@@ -250,7 +251,7 @@ def check_static_vs_dynamic(C):
         (f1, d1), (f2, d2) = compare(first, dyn), compare(again, dyn)
         tol = 1e-3 if not C.cpu else 1e-5
         stopped = sum(not t for t in dyn.truncated)
-        ok = f1 == 1.0 and f2 == 1.0 and max(d1, d2) <= tol and bool(train._compiled_steps)
+        ok = f1 == 1.0 and f2 == 1.0 and max(d1, d2) <= tol and bool(models._compiled_steps)
         C.add("a", name, "PASS" if ok else "FAIL",
               f"{len(dyn.response_ids)} rows x {max_new} tokens ({stopped} stop at an EOS): identical rows "
               f"{f1:.0%} / {f2:.0%} (first / second static call), max abs log-prob diff {max(d1, d2):.1e} (tol {tol:g}); "
@@ -259,9 +260,8 @@ def check_static_vs_dynamic(C):
                    eos_rows=stopped, compile_s=round(compile_s, 2)))
 
     name = "static ~ dynamic decode, bf16 autocast (train.py's CUDA rollout)"
-    # fresh static caches, as in a new process: train.static_decoding keys its StaticCache by the
-    # keys' dtype only, and under autocast the keys are fp32 (RoPE promotes them) but the values
-    # bf16, so the fp32 run's cache (fp32 values) would be reused and index_copy_ would refuse
+    # fresh static caches and compile, as in a new process (under autocast the cached keys are fp32 --
+    # RoPE promotes them -- and the values bf16: models.static_decoding keys its caches by both)
     reset_compile()
     with C.guard("a", name):
         autocast = models.make_autocast(C.dev, "bfloat16")
@@ -378,10 +378,11 @@ def section_a(C):
 def phase_summary(out_dir, wall):
     log = read_log(out_dir)
     steps = [r for r in log if "loss" in r]
-    evals = [r for r in log if "eval" in r]
-    acc_key = next((k for k in (evals[0] if evals else {}) if k.startswith("mean@")), None)
-    start = next((r[acc_key] for r in evals if r["tag"] == "start"), None)
-    end = next((r[acc_key] for r in reversed(evals) if r["tag"].startswith("end of stage")), None)
+    evals = [r for r in log if "eval_tag" in r]  # one record per eval: eval/<set>/mean@n per set
+    acc_key = next((k for k in (evals[0] if evals else {}) if k.startswith("eval/") and "/mean@" in k
+                    and "teacher" not in k), None)
+    start = next((r[acc_key] for r in evals if r["eval_tag"] == "start"), None)
+    end = next((r[acc_key] for r in reversed(evals) if r["eval_tag"].startswith("end of stage")), None)
     return dict(iters=len(steps), finite=all(math.isfinite(r["loss"]) for r in steps),
                 acc_start=start, acc_end=end, acc_metric=acc_key, wall_s=round(wall, 2),
                 loop_s=round(sum(r["iter_s"] for r in steps), 2), gen_s=round(sum(r.get("gen_s", 0.0) for r in steps), 2),
@@ -629,6 +630,8 @@ def main(argv=None):
             fns[s](C)
         except Exception as e:  # noqa: BLE001 - one section's failure must not hide the others
             C.errors[s] = one_line(e)
+            if os.environ.get("GPU_CHECK_TRACE"):
+                traceback.print_exc()
             C.say(s, f"FAIL section raised {one_line(e)}")
         C.seconds[s] = round(time.perf_counter() - t0, 1)
         C.say(s, f"== {s} done in {C.seconds[s]:.1f} s")

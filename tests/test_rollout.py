@@ -3,6 +3,7 @@ import torch
 
 from conftest import defaults
 
+import models
 import train
 
 
@@ -75,13 +76,13 @@ def test_static_cache_decoding_equals_the_dynamic_cache(monkeypatch):
     traces the step with dynamo like the real compile but skips code generation (minutes on CPU)."""
     real_compile = torch.compile
     monkeypatch.setattr(torch, "compile", lambda fn, mode=None: real_compile(fn, backend="eager"))
-    monkeypatch.setattr(train, "_compiled_steps", {})
+    monkeypatch.setattr(models, "_compiled_steps", {})
     model = tiny_model()
     prompts = [[1, 4, 5, 6, 7], [8, 9], [10]]
     runs = [train.generate(model, prompts, group_size=3, max_new_tokens=10, temperature=1.5, top_p=0.9, eos_ids=[19],
                            pad_id=0, generator=torch.Generator().manual_seed(3), static=static)
             for static in (False, True, True)]  # the second static call reuses the cache buffers
-    assert train._compiled_steps, "the static path went through torch.compile"
+    assert models._compiled_steps, "the static path went through torch.compile"
     for out in runs[1:]:
         assert out.response_ids == runs[0].response_ids
         for a, b in zip(out.old_logprobs, runs[0].old_logprobs):
