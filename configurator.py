@@ -13,6 +13,7 @@ error or raises -- exits with one line naming the key or file:line, before any w
 `--help` lists every key with its default and the comment beside it.
 """
 import ast
+import importlib
 import math
 import re
 import traceback
@@ -23,6 +24,14 @@ PLAIN = (bool, int, float, str)
 class UserError(Exception):
     """Bad input from the user: the scripts print it as one line (error: ...) and exit 1, before
     anything on disk is touched."""
+
+
+def require(module, setting, package=None):
+    """An optional package, imported only when a setting asks for it; missing: one line naming both."""
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise UserError(f"{setting} needs the {package or module} package: pip install {package or module}") from None
 
 NON_FINITE_WORDS = {"nan", "inf", "infinity"}  # float() accepts these, with any case and sign
 

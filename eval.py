@@ -390,7 +390,7 @@ def embed_responses(model, tokenizer, message_lists, texts, dev, batch=16, enabl
         responses = [tokenizer.encode(t, add_special_tokens=False) + [tokenizer.eos_token_id]
                      for t in texts[start:start + batch]]
         with autocast():
-            h = train.hidden_states(model, [p + r for p, r in zip(prompts, responses)], dev)
+            h = models.hidden_states(model, [p + r for p, r in zip(prompts, responses)], dev)
         for i, (p, r) in enumerate(zip(prompts, responses)):
             out.append(h[i, len(p):len(p) + len(r)].float().mean(0).cpu())
     model.train(was_training)

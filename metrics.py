@@ -92,6 +92,13 @@ def iteration_record(record, rollout, losses, *, algo, distill, world, global_su
     return record
 
 
+def console_line(stage, record):
+    """The one line printed per iteration."""
+    shown = " | ".join(f"{k} {record[k]:.4g}" for k in ("loss", "reward", "acc", "resp_len", "div") if k in record)
+    return (f"{stage} iter {record['iter']} | {shown} | tok/s {record['tokens'] / record['iter_s']:.0f}"
+            + (f" | gen {record['gen_s']:.2f}s" if "gen_s" in record else "") + f" train {record['train_s']:.2f}s")
+
+
 def stuck_warnings(record, counts, algo):
     """The most common silent failure of GRPO / SDPO runs is training on nothing. Count the
     iterations in a row with each sign of it; return the warnings (cause and knob) due now."""

@@ -1,8 +1,9 @@
 """
 Any HF causal LM, the way train.py needs it, and where it runs: loaded (or a toy model built from
 scratch), called with a KV cache (and on CUDA through a static cache and a compiled, CUDA-graphed
-decode step), its decoder body and LM head taken apart for the fused loss, checked once at load,
-its EOS ids and its prompts; the device, autocast, and torchrun's ranks (Dist).
+decode step), its decoder body and LM head taken apart for the fused loss (the hidden states that
+predict each response token, with the teacher's shared-prompt prefill), checked once at load, its
+EOS ids and its prompts; the device, autocast, and torchrun's ranks (Dist).
 
 train.py never asks the model for its training logits: it runs the decoder body, keeps the final
 hidden states h and does the LM head itself, in chunks (models.lm_head). That is only right if the
@@ -179,6 +180,60 @@ def check_model(model):
                              "models are not supported")
     finally:
         model.train(was_training)
+
+
+def pad_batch(seqs, pad_id, left):
+    """Token-id lists -> (ids [B, T], attention mask [B, T]). Left padding puts every prompt's end
+    in the last column, where generation continues; right padding suits full sequences."""
+    width = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, s in enumerate(seqs):
+        cols = slice(width - len(s), width) if left else slice(0, len(s))
+        ids[i, cols] = torch.tensor(s, dtype=torch.long)
+        mask[i, cols] = 1
+    return ids, mask
+
+
+def hidden_states(model, sequences, dev):
+    """Right-pad sequences, run the decoder body, return its final hidden states [B, T, H]."""
+    ids, mask = pad_batch(sequences, 0, left=False)
+    return body_forward(decoder_body(model), ids.to(dev), mask.to(dev))
+
+
+def response_hidden(model, prompts, responses, dev):
+    """Hidden states predicting each response token (positions p-1 .. p+n-2 of prompt+response): [Σn, H]."""
+    h = hidden_states(model, [p + r for p, r in zip(prompts, responses)], dev)
+    return torch.cat([h[i, len(p) - 1:len(p) - 1 + len(r)] for i, (p, r) in enumerate(zip(prompts, responses))], 0)
+
+
+@torch.no_grad()
+def shared_prompt_hidden(model, prompts, responses, dev):
+    """response_hidden without grad, computing each distinct input once: a group's responses share
+    one teacher prompt (its first successful peer), so each distinct prompt is prefilled once and
+    its KV cache reused; and identical (prompt, response) pairs, common when answers are short
+    (several peers write the same correct answer), are read once.
+
+    Prompts are left-padded into one prefill; the distinct responses (right-padded) continue from
+    their prompt's cache row at positions len(prompt), len(prompt)+1, ..."""
+    body = decoder_body(model)
+    keys = list(zip(map(tuple, prompts), map(tuple, responses)))
+    unique = {p: k for k, p in enumerate(dict.fromkeys(p for p, _ in keys))}
+    pairs = {pr: k for k, pr in enumerate(dict.fromkeys(keys))}
+    ids, mask = (t.to(dev) for t in pad_batch(list(unique), 0, left=True))
+    cache = DynamicCache()
+    last = body_forward(body, ids, mask, (mask.cumsum(-1) - 1).clamp(min=0), cache)[:, -1:]
+    which = torch.tensor([unique[p] for p, _ in pairs], device=dev)
+    hidden = last[which]  # [pairs, 1, H]: predicts each pair's first response token
+    if max(len(r) for r in responses) > 1:  # the last response token predicts nothing
+        cache.batch_select_indices(which)
+        rest_ids, rest_mask = pad_batch([list(r[:-1]) for _, r in pairs], 0, left=False)
+        position = mask.sum(-1)[which, None] + torch.arange(rest_ids.shape[1], device=dev)[None]
+        rest = body_forward(body, rest_ids.to(dev), torch.cat([mask[which], rest_mask.to(dev)], dim=1), position, cache)
+        hidden = torch.cat([hidden, rest], 1)  # [pairs, 1 + rest, H]: position t predicts token t
+    width = hidden.shape[1]
+    index = [pairs[key] * width + t for key in keys for t in range(len(key[1]))]
+    return hidden.flatten(0, 1)[torch.tensor(index, device=dev)]
 
 
 def stop_token_ids(model, tokenizer):

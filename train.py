@@ -83,11 +83,11 @@ from transformers import DynamicCache
 import checkpoint
 from checkpoint import Collapse, check_health, check_step
 import metrics
-from configurator import UserError
+from configurator import UserError, require
 from data import checkers, tasks as task_files
-from models import (Dist, amp_dtype, body_forward, context_length, decoder_body, enable_grad_checkpointing,
-                    forward_with_cache, frozen_copy, has_chat_template, lm_head, load_model, make_autocast, prompt_ids,
-                    static_decoding, stop_token_ids, takes_position_ids, use_static_rollout)
+from models import (Dist, amp_dtype, context_length, enable_grad_checkpointing, forward_with_cache, frozen_copy,
+                    has_chat_template, lm_head, load_model, make_autocast, pad_batch, prompt_ids, response_hidden,
+                    shared_prompt_hidden, static_decoding, stop_token_ids, takes_position_ids, use_static_rollout)
 
 # ----------------------------------------------------------------------------- defaults
 # Every line `name = value  # help` below is a config key: config files and --name=value
@@ -302,19 +302,6 @@ class Batch:
         """The same batch restricted to `rows` (a micro-batch)."""
         return Batch(**{f.name: None if getattr(self, f.name) is None else [getattr(self, f.name)[i] for i in rows]
                         for f in fields(self)})
-
-
-def pad_batch(seqs, pad_id, left):
-    """Token-id lists -> (ids [B, T], attention mask [B, T]). Left padding puts every prompt's end
-    in the last column, where generation continues; right padding suits full sequences."""
-    width = max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, s in enumerate(seqs):
-        cols = slice(width - len(s), width) if left else slice(0, len(s))
-        ids[i, cols] = torch.tensor(s, dtype=torch.long)
-        mask[i, cols] = 1
-    return ids, mask
 
 
 def sample_top_p(logits, temperature, top_p, generator):
@@ -1043,47 +1030,6 @@ def sampled_logprobs(hidden, weight, tokens, temperature=1.0, chunk_size=128, ma
 
 
 # ----------------------------------------------------------------------------- loss and backward
-def hidden_states(model, sequences, dev):
-    """Right-pad sequences, run the decoder body, return its final hidden states [B, T, H]."""
-    ids, mask = pad_batch(sequences, 0, left=False)
-    return body_forward(decoder_body(model), ids.to(dev), mask.to(dev))
-
-
-def response_hidden(model, prompts, responses, dev):
-    """Hidden states predicting each response token (positions p-1 .. p+n-2 of prompt+response): [Σn, H]."""
-    h = hidden_states(model, [p + r for p, r in zip(prompts, responses)], dev)
-    return torch.cat([h[i, len(p) - 1:len(p) - 1 + len(r)] for i, (p, r) in enumerate(zip(prompts, responses))], 0)
-
-
-@torch.no_grad()
-def shared_prompt_hidden(model, prompts, responses, dev):
-    """response_hidden without grad, computing each distinct input once: a group's responses share
-    one teacher prompt (its first successful peer), so each distinct prompt is prefilled once and
-    its KV cache reused; and identical (prompt, response) pairs, common when answers are short
-    (several peers write the same correct answer), are read once.
-
-    Prompts are left-padded into one prefill; the distinct responses (right-padded) continue from
-    their prompt's cache row at positions len(prompt), len(prompt)+1, ..."""
-    body = decoder_body(model)
-    keys = list(zip(map(tuple, prompts), map(tuple, responses)))
-    unique = {p: k for k, p in enumerate(dict.fromkeys(p for p, _ in keys))}
-    pairs = {pr: k for k, pr in enumerate(dict.fromkeys(keys))}
-    ids, mask = (t.to(dev) for t in pad_batch(list(unique), 0, left=True))
-    cache = DynamicCache()
-    last = body_forward(body, ids, mask, (mask.cumsum(-1) - 1).clamp(min=0), cache)[:, -1:]
-    which = torch.tensor([unique[p] for p, _ in pairs], device=dev)
-    hidden = last[which]  # [pairs, 1, H]: predicts each pair's first response token
-    if max(len(r) for r in responses) > 1:  # the last response token predicts nothing
-        cache.batch_select_indices(which)
-        rest_ids, rest_mask = pad_batch([list(r[:-1]) for _, r in pairs], 0, left=False)
-        position = mask.sum(-1)[which, None] + torch.arange(rest_ids.shape[1], device=dev)[None]
-        rest = body_forward(body, rest_ids.to(dev), torch.cat([mask[which], rest_mask.to(dev)], dim=1), position, cache)
-        hidden = torch.cat([hidden, rest], 1)  # [pairs, 1 + rest, H]: position t predicts token t
-    width = hidden.shape[1]
-    index = [pairs[key] * width + t for key in keys for t in range(len(key[1]))]
-    return hidden.flatten(0, 1)[torch.tensor(index, device=dev)]
-
-
 def teacher_parts(mode, rate, model, teacher_model, initial_model, teacher_prompts, responses, dev):
     """The teacher's logits as [(hidden [N, H], LM-head weight, coef)], summed by the token loss (the
     model's logit scale is folded into coef); rows of responses without a teacher prompt stay zero
@@ -1287,16 +1233,9 @@ def setup(cfg, ddp, stack):
                                     [n for name, _ in stages for n in name.split("+")]))
     train_tasks = {name: load_tasks(name, "train", cfg["data_dir"], need_solution=cfg["algo"] == "sft") for name, _ in stages}
     eval_tasks = {name: load_tasks(name, "test", cfg["data_dir"])[:cfg["eval_max_prompts"] or None] for name in eval_names}
-    if cfg["wandb_log"] and ddp.master:
-        try:
-            import wandb  # optional: imported only when asked for
-        except ImportError:
-            raise UserError("wandb_log=True but wandb is not installed: pip install wandb") from None
+    wandb = require("wandb", "wandb_log=True") if cfg["wandb_log"] and ddp.master else None  # optional packages
     if cfg["math_checker"] == "math_verify":
-        try:
-            import math_verify  # noqa: F401  (optional: imported only when asked for)
-        except ImportError:
-            raise UserError("math_checker=math_verify needs the math-verify package: pip install math-verify") from None
+        require("math_verify", "math_checker=math_verify", "math-verify")
     state = {"iter": 0, "stage": 0, "stage_iter": 0, "zero_acc_evals": 0, "accuracy_matrix": None,
              "base_init": cfg["init_from"], "losses": [], "good": None}
     log = metrics.RunLog(out_dir, cfg["log_jsonl"], None, ddp.master)
@@ -1344,11 +1283,12 @@ def setup(cfg, ddp, stack):
         if ddp.master:
             checkpoint.truncate_log(os.path.join(out_dir, "log.jsonl"), state["iter"])
         log.say(f"resumed from {ckpt_dir} at iteration {state['iter']} (stage {state['stage']}, step {state['stage_iter']})")
-    if cfg["wandb_log"] and ddp.master:
+    if wandb:
         log.wandb = wandb.init(project=cfg["wandb_project"], name=cfg["wandb_run_name"], config=cfg)
-    return dict(stages=stages, eval_names=eval_names, train_tasks=train_tasks, eval_tasks=eval_tasks, log=log, ckpt_dir=ckpt_dir, state=state, model=model, tokenizer=tokenizer,
-                initial_model=initial_model, teacher_model=teacher_model, optimizer=optimizer, generator=generator,
-                data_rng=data_rng, amp=amp_dtype(dev, cfg["dtype"]))
+    return dict(stages=stages, eval_names=eval_names, train_tasks=train_tasks, eval_tasks=eval_tasks, log=log,
+                ckpt_dir=ckpt_dir, state=state, model=model, tokenizer=tokenizer, initial_model=initial_model,
+                teacher_model=teacher_model, optimizer=optimizer, generator=generator, data_rng=data_rng,
+                amp=amp_dtype(dev, cfg["dtype"]))
 
 
 def fit_prompts(train_tasks, eval_tasks, model, tokenizer, cfg, log):
@@ -1359,10 +1299,10 @@ def fit_prompts(train_tasks, eval_tasks, model, tokenizer, cfg, log):
     if cap <= 0 or cap + cfg["max_new_tokens"] > context:
         raise UserError(f"max_prompt_len={cfg['max_prompt_len']} + max_new_tokens={cfg['max_new_tokens']} exceeds the "
                         f"model's context of {context} tokens: lower them")
+    length = lambda messages: len(prompt_ids(tokenizer, messages, cfg["enable_thinking"]))  # noqa: E731
     for sets in (train_tasks, eval_tasks):
         for name in sets:
-            sets[name] = task_files.fitting(sets[name], name, cap, lambda m: len(prompt_ids(tokenizer, m, cfg["enable_thinking"])),
-                                            log.say)
+            sets[name] = task_files.fitting(sets[name], name, cap, length, log.say)
 
 
 def run_eval(run, cfg, ddp, tag):
@@ -1399,13 +1339,6 @@ def score_set(run, cfg, ddp, model, tasks, generator):
     parts = ddp.gather((res["scores"], res["mean_len"] * n * len(res["scores"])))
     scores = [row_scores for p in parts for row_scores in p[0]]
     return accuracy_summary(scores, threshold=cfg["success_threshold"]), sum(p[1] for p in parts) / (n * len(scores))
-
-
-def log_samples(run, cfg, batch, tasks):
-    """A few of the last training batch's rollouts to out_dir/samples.jsonl."""
-    if batch is not None:
-        decode = functools.partial(run["tokenizer"].decode, skip_special_tokens=False)
-        run["log"].samples(metrics.sample_rows(batch, tasks, cfg["group_size"], decode, run["state"]["iter"]))
 
 
 def save_checkpoint(run, cfg, ddp):
@@ -1475,7 +1408,9 @@ def main(cfg):
 
 
 def train_loop(run, cfg, ddp):
+    """The stages, each a loop of iterations: rollout -> loss -> step -> log -> eval / checkpoint."""
     model, optimizer, state, dev = run["model"], run["optimizer"], run["state"], ddp.device
+    decode = functools.partial(run["tokenizer"].decode, skip_special_tokens=False)
     total_iters = sum(iters for _, iters in run["stages"])
     share = cfg["batch_prompts"] // ddp.world
     autocast = make_autocast(dev, cfg["dtype"])
@@ -1520,22 +1455,21 @@ def train_loop(run, cfg, ddp):
                                      world=ddp.world, global_sum=ddp.global_sum,
                                      ratio_max=max(ddp.gather(loss_metrics["ratio_max"])))
             run["log"].record(record)
-            shown = " | ".join(f"{k} {record[k]:.4g}" for k in ("loss", "reward", "acc", "resp_len", "div") if k in record)
-            run["log"].say(f"{stage_desc} iter {record['iter']} | {shown} | tok/s {record['tokens'] / record['iter_s']:.0f}"
-                           + (f" | gen {record['gen_s']:.2f}s" if "gen_s" in record else "") + f" train {t3 - t1:.2f}s")
+            run["log"].say(metrics.console_line(stage_desc, record))
             for warning in metrics.stuck_warnings(record, state["stuck"], cfg["algo"]):
                 run["log"].say(warning)
             # periodic eval (the collapse guard) and checkpoint; the end of a stage has its own
             last = state["stage_iter"] == iters
             if not last and cfg["eval_interval"] and state["stage_iter"] % cfg["eval_interval"] == 0:
-                log_samples(run, cfg, batch, my_tasks)
+                run["log"].samples(metrics.sample_rows(batch, my_tasks, cfg["group_size"], decode, state["iter"]))
                 check_health(run_eval(run, cfg, ddp, "periodic"), name, state, cfg)
                 if not cfg["save_interval"]:
                     save_checkpoint(run, cfg, ddp)
             if cfg["save_interval"] and state["iter"] % cfg["save_interval"] == 0 and not last:
                 save_checkpoint(run, cfg, ddp)
-        # end of stage: a row of the accuracy matrix, a snapshot, a checkpoint
-        log_samples(run, cfg, batch, my_tasks)
+        # end of stage: a few rollouts, a row of the accuracy matrix, a snapshot, a checkpoint
+        if batch is not None:
+            run["log"].samples(metrics.sample_rows(batch, my_tasks, cfg["group_size"], decode, state["iter"]))
         end_stage(run, cfg, ddp, stage, name)
 
 

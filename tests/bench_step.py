@@ -139,7 +139,7 @@ def clock(dev):
 def bench_generate(model, tokenizer, prompts, args, dev, autocast):
     """Median seconds and tokens/s of train.generate vs HF generate, interleaved (ABBA)."""
     eos, pad = train.stop_token_ids(model, tokenizer), tokenizer.pad_token_id
-    ids, mask = train.pad_batch(prompts, pad, left=True)
+    ids, mask = models.pad_batch(prompts, pad, left=True)
     ids, mask = ids.to(dev), mask.to(dev)
     width = ids.shape[1]
 

@@ -519,7 +519,7 @@ def section_d(C):
     tasks = train.load_tasks("toy/sort", "test", os.path.join(ROOT, "data"))[:n_prompts]
     prompts = [train.prompt_ids(tok, t["messages"]) for t in tasks]
     eos, pad = train.stop_token_ids(model, tok), tok.pad_token_id
-    ids, mask = (t.to(C.dev) for t in train.pad_batch(prompts, pad, left=True))
+    ids, mask = (t.to(C.dev) for t in models.pad_batch(prompts, pad, left=True))
     params = sum(p.numel() for p in model.parameters())
     C.say("d", f"Qwen3 {shape} shape, {params / 1e6:.0f}M params, {dtype}, {n_prompts} prompts x {group} samples x "
                f"{max_new} new tokens (prompt length {ids.shape[1]}); 1 warm-up + {runs} timed runs each, interleaved")

@@ -77,7 +77,7 @@ def score(model, prompts, responses, dev, batch=64):
     weight = train.lm_head(model)[0]
     for a in range(0, len(prompts), batch):
         p, r = prompts[a:a + batch], responses[a:a + batch]
-        h = train.response_hidden(model, p, r, dev)
+        h = models.response_hidden(model, p, r, dev)
         tokens = torch.tensor([t for x in r for t in x], device=dev)
         lp = train.sampled_logprobs(h, weight, tokens).cpu()
         out.extend(lp.split([len(x) for x in r]))

@@ -79,7 +79,7 @@ def test_density_selection_keeps_the_fraction_and_picks_its_tokens(toy_data):
     weights = torch.cat([m.float() / 7 for m in train.density_masks(lengths, 0.5, None, "disagree")])
     tokens = torch.tensor([t for r in batch.response_ids for t in r])
     with torch.no_grad():
-        h = train.response_hidden(model, batch.prompt_ids, batch.response_ids, torch.device("cpu"))
+        h = models.response_hidden(model, batch.prompt_ids, batch.response_ids, torch.device("cpu"))
         teacher = train.teacher_parts("live", 0.0, model, None, None, batch.teacher_prompt_ids, batch.response_ids,
                                       torch.device("cpu"))
         _, stats = train.naive_token_loss(h, model.get_output_embeddings().weight, tokens, lambda *a: a[0].sum(),

@@ -71,12 +71,12 @@ def test_training_logprobs_equal_the_models_own_or_the_model_is_refused(name):
         want = torch.cat([torch.log_softmax(model(torch.tensor([p + r])).logits[0, len(p) - 1:-1].float(), -1)
                           .gather(-1, torch.tensor(r)[:, None]).squeeze(-1) for p, r in zip(prompts, responses)])
         # the training path: body, scale folded into the hidden states, the fused LM-head loss
-        h = train.response_hidden(model, prompts, responses, torch.device("cpu")) * scale
+        h = models.response_hidden(model, prompts, responses, torch.device("cpu")) * scale
         _, stats = train.fused_token_loss(h, weight, tokens, lambda lp, d, t, rows: lp.sum(), alpha=0.5,
                                           distill="topk", topk=5, tail=True, chunk_size=4)
         torch.testing.assert_close(stats["logp"], want, atol=1e-4, rtol=0)
         # the teacher path: one prefill per distinct prompt, continued from its KV cache
-        shared = train.shared_prompt_hidden(model, prompts, responses, torch.device("cpu")) * scale
+        shared = models.shared_prompt_hidden(model, prompts, responses, torch.device("cpu")) * scale
         torch.testing.assert_close(shared, h, atol=1e-4, rtol=1e-4)
     # the rollout: the log-prob each token was sampled with, under the model's own logits
     out = train.generate(model, prompts, group_size=2, max_new_tokens=5, temperature=1.0, top_p=1.0, eos_ids=[2],

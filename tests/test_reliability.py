@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from conftest import ROOT, TINY, defaults, read_log, run_train
+from conftest import ROOT, TINY, read_log, run_train
 
 import checkpoint
 import train

@@ -273,7 +273,7 @@ def test_shared_prompt_hidden_equals_one_forward_per_sequence(toy_data):
     prompts = [p1, p1, p2, p1, p2, p1, p2]
     responses = [[20, 21, 22, 2], [23, 2], [24, 25, 26, 27, 28, 2], [2], [29, 30, 2], [23, 2], [23, 2]]
     with torch.no_grad():
-        plain = train.response_hidden(model, prompts, responses, torch.device("cpu"))
-    shared = train.shared_prompt_hidden(model, prompts, responses, torch.device("cpu"))
+        plain = models.response_hidden(model, prompts, responses, torch.device("cpu"))
+    shared = models.shared_prompt_hidden(model, prompts, responses, torch.device("cpu"))
     assert shared.shape == plain.shape == (sum(map(len, responses)), 32)
     torch.testing.assert_close(shared, plain, atol=1e-5, rtol=1e-5)
