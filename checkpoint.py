@@ -152,8 +152,9 @@ def save(ckpt_dir, model, tokenizer, optimizer, teacher_model, state, rng_tensor
     """Write a checkpoint (layout in the module docstring) atomically."""
     tmp, old = ckpt_dir + ".tmp", ckpt_dir + ".old"
     shutil.rmtree(tmp, ignore_errors=True)
-    dtype = getattr(torch, save_dtype)
-    weights = {k: v.to(dtype) for k, v in model.state_dict().items()} if dtype != torch.float32 else None
+    dtype, weights, cast = getattr(torch, save_dtype), None, {}
+    if dtype != torch.float32:  # cast each tensor once, so tied weights (embedding = LM head) stay one
+        weights = {k: cast.setdefault(v.data_ptr(), v.to(dtype)) for k, v in model.state_dict().items()}
     model.save_pretrained(tmp, state_dict=weights)
     if weights is not None:  # the exported config says so, so from_pretrained loads it in that dtype
         _set_config_dtype(os.path.join(tmp, "config.json"), save_dtype)

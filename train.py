@@ -333,15 +333,16 @@ def make_generator(seed, dev):
     return torch.Generator(device=dev).manual_seed(seed)
 
 
-def generate(model, prompts, *, group_size, max_rows=0, **sampling):
+def generate(model, prompts, *, group_size, max_rows=0, progress=False, **sampling):
     """Sample `group_size` responses to each prompt (token-id lists) -> Batch (its rollout fields).
 
     max_rows > 0 decodes at most that many rows (prompts × group_size) at once, whole groups at a
-    time: the KV cache is what runs out first at long max_new_tokens. `sampling`: decode()'s
-    keywords (max_new_tokens, temperature, top_p, eos_ids, pad_id, generator, static)."""
+    time (with a progress bar if asked): the KV cache is what runs out first at long max_new_tokens.
+    `sampling`: decode()'s keywords (max_new_tokens, temperature, top_p, eos_ids, pad_id, generator, static)."""
     per_call = max(1, max_rows // group_size) if max_rows > 0 else len(prompts)
+    starts = range(0, len(prompts), per_call)
     parts = [decode(model, prompts[i:i + per_call], group_size=group_size, **sampling)
-             for i in range(0, len(prompts), per_call)]
+             for i in tqdm(starts, desc="rollout", disable=not progress or len(starts) == 1, leave=False, file=sys.stdout)]
     if len(parts) == 1:
         return parts[0]
     return Batch(*[[x for part in parts for x in getattr(part, f)] for f in
@@ -462,7 +463,8 @@ def teacher_messages(messages, peer, feedback, cfg):
 
 
 # ----------------------------------------------------------------------------- batch assembly
-def build_batch(tasks, model, tokenizer, cfg, generator, dev, autocast=contextlib.nullcontext, global_sum=list):
+def build_batch(tasks, model, tokenizer, cfg, generator, dev, autocast=contextlib.nullcontext, global_sum=list,
+                progress=False):
     """Rollout → reward → advantages → teacher context → loss weights, for one iteration's prompts.
 
     Returns (Batch, metrics). For algo='sft' the responses are the reference solutions. With
@@ -482,7 +484,7 @@ def build_batch(tasks, model, tokenizer, cfg, generator, dev, autocast=contextli
     with autocast():
         batch = generate(model, prompts, group_size=G, max_rows=cfg["gen_batch_size"], max_new_tokens=cfg["max_new_tokens"],
                          temperature=cfg["temperature"], top_p=cfg["top_p"], eos_ids=stop_token_ids(model, tokenizer),
-                         pad_id=tokenizer.pad_token_id, generator=generator,
+                         pad_id=tokenizer.pad_token_id, generator=generator, progress=progress,
                          static=use_static_rollout(cfg["static_rollout"], dev))
     batch.texts = tokenizer.batch_decode(batch.response_ids, skip_special_tokens=True)
     t_gen, t0 = time.time() - t0, time.time()
@@ -1434,7 +1436,7 @@ def train_loop(run, cfg, ddp):
             my_tasks = step_tasks[ddp.rank * share:(ddp.rank + 1) * share]
             # rollout, reward, advantages, teacher context, loss weights
             batch, rollout_metrics = build_batch(my_tasks, model, run["tokenizer"], cfg, run["generator"], dev,
-                                                 autocast, ddp.global_sum)
+                                                 autocast, ddp.global_sum, progress=ddp.master)
             t1 = time.time()
             # student (and teacher) forward and backward, in micro-batches; a diverging loss stops the run
             loss_metrics = loss_backward(model, batch, cfg, dev, run["teacher_model"], run["initial_model"], run["amp"])
