@@ -23,3 +23,5 @@ eval_max_prompts = 0
 gen_batch_size = 128
 grad_checkpointing = True
 micro_batch_size = 16
+# the references' normalisation: each response's token mean, averaged over all responses
+distill_agg = "seq-mean"

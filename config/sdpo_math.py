@@ -1,34 +1,28 @@
-# SDPO on math at the paper's settings (DESIGN.md "Real benchmarks"): Qwen3-4B, thinking off,
-# 32 prompts x 8 rollouts, lr 1e-5, EMA teacher tau 0.05, alpha 0.5, top-100 + tail, IS clip 2.
-# Needs a GPU and the data: python data/dapo_math/prepare.py && python data/math500/prepare.py ...
+# SDPO on math at the paper's settings (arXiv 2607.01763): train.py's defaults are those settings
+# (32 prompts x 8 rollouts, lr 1e-5, 10 warmup steps, EMA teacher tau 0.05, alpha 0.5, top-100 +
+# tail, IS clip 2), so only what differs is set here. Needs an H200-class GPU (~116 GB estimated:
+# python tests/memory_estimate.py --config=config/sdpo_math.py) and the data:
+#   python data/dapo_math/prepare.py && python data/math500/prepare.py && python data/aime/prepare.py && python data/amc23/prepare.py
 #   python train.py config/sdpo_math.py --density=0.5
 out_dir = "out/sdpo_math"
-init_from = "Qwen/Qwen3-4B"  # Qwen3-8B's fp32 weights + grads + AdamW + teacher (164 GB) fit no single GPU
-gen_batch_size = 32  # rows decoded at once: bounds the KV cache (python tests/memory_estimate.py --config=config/sdpo_math.py: ~116 GB peak)
-grad_checkpointing = True
 algo = "sdpo"
+# the model: Qwen3-4B, thinking off; Qwen3-8B's fp32 weights + grads + AdamW + teacher (164 GB) fit no single GPU
+init_from = "Qwen/Qwen3-4B"
+# the data: DAPO-Math-17k to train, MATH500 / AIME24 / AMC23 to evaluate (mean@16, every prompt)
 dataset = "dapo_math"
 eval_sets = "math500,aime,amc23"
-max_iters = 300
-batch_prompts = 32
-group_size = 8
-micro_batch_size = 8
-max_new_tokens = 4096
-temperature = 1.0
-learning_rate = 1e-5
-warmup_iters = 10
-weight_decay = 0.01
-grad_clip = 1.0
-teacher = "ema"
-teacher_rate = 0.05
-alpha = 0.5
-distill = "topk"
-topk = 100
-tail = True
-is_clip = 2.0
-density = 1.0
-max_reprompt_len = 10240
-eval_interval = 50
 eval_n = 16
 eval_max_prompts = 0
+# competition math needs long answers; the teacher prompt holds a whole demonstration of that length
+max_new_tokens = 4096
+max_reprompt_len = 10240
+# the budget: 300 iterations, an eval and a checkpoint every 50
+max_iters = 300
+eval_interval = 50
 save_interval = 50
+# the references' normalisation: each response's token mean, averaged over all responses
+distill_agg = "seq-mean"
+# memory: decode 32 rows at a time (a whole batch's KV cache would be 174 GB), recompute blocks in the backward
+gen_batch_size = 32
+grad_checkpointing = True
+micro_batch_size = 8

@@ -1,5 +1,6 @@
 """
-How well the reward checkers agree with the real benchmarks' reference answers (../shared/data):
+How well the reward checkers agree with the real benchmarks' reference answers (local copies of the
+test files in $NANOSDPO_BENCHMARK_DATA, default ../shared/data):
 reference answers and solutions must be accepted, other items' answers and perturbed answers
 rejected. tests/test_rewards_real.py asserts these rates; this script prints them.
 
@@ -15,7 +16,7 @@ import re
 import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DATA_DIR = os.path.join(REPO, "..", "shared", "data")
+DATA_DIR = os.environ.get("NANOSDPO_BENCHMARK_DATA", os.path.join(REPO, "..", "shared", "data"))
 sys.path.insert(0, REPO)
 import train as R  # noqa: E402  (reward(): the dispatch to data/checkers.py)
 

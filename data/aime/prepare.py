@@ -4,7 +4,7 @@ one test file with ids "aime24-..." / "aime25-..." (eval can split them by that 
 Answers are integers 0-999 (written without leading zeros).
 
     python data/aime/prepare.py                                           # both years from the HF hub
-    python data/aime/prepare.py --from_file=../shared/data/aime24_test.jsonl
+    python data/aime/prepare.py --from_file=local/aime24_test.jsonl
 A local file's year comes from its name (aime24, 2025, ...) or its records' year/url fields.
 """
 import os

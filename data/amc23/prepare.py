@@ -3,7 +3,7 @@ AMC 2023 (math-ai/amc23): 40 problems, test only. Answers come as floats (27.0) 
 as "27".
 
     python data/amc23/prepare.py                                          # from the HF hub
-    python data/amc23/prepare.py --from_file=../shared/data/amc23_test.jsonl
+    python data/amc23/prepare.py --from_file=local/amc23_test.jsonl
 """
 import os
 import sys

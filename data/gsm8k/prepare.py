@@ -4,7 +4,7 @@ The answer is the number after "#### " in the reference; the reference, with its
 annotations removed and the number boxed, is kept as `solution` (for SFT).
 
     python data/gsm8k/prepare.py                                          # from the HF hub
-    python data/gsm8k/prepare.py --from_file=../shared/data/gsm8k_test.jsonl
+    python data/gsm8k/prepare.py --from_file=local/gsm8k_test.jsonl
 """
 import os
 import re

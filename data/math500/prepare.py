@@ -2,7 +2,7 @@
 MATH500 (HuggingFaceH4/MATH-500): the 500-problem test subset of MATH (Lightman et al.), test only.
 
     python data/math500/prepare.py                                        # from the HF hub
-    python data/math500/prepare.py --from_file=../shared/data/math500_test.jsonl
+    python data/math500/prepare.py --from_file=local/math500_test.jsonl
 """
 import os
 import sys

@@ -7,8 +7,8 @@ Writes data/sciknoweval/<domain>/{train,test}.jsonl.
 
     python data/sciknoweval/prepare.py                                    # all four domains, HF hub
     python data/sciknoweval/prepare.py --domains=chemistry
-    python data/sciknoweval/prepare.py --from_file=../shared/data/sciknoweval_biology_train.jsonl \\
-        --from_file=../shared/data/sciknoweval_biology_test.jsonl
+    python data/sciknoweval/prepare.py --from_file=local/sciknoweval_biology_train.jsonl \\
+        --from_file=local/sciknoweval_biology_test.jsonl
 A local file holds records in the SDPO format (prompt, system, answer, idx); its domain and split
 come from its name (sciknoweval_<domain>_<split>.jsonl) or --domains.
 """

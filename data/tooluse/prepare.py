@@ -5,7 +5,7 @@ and the question; it becomes the user turn as is. The answer is the reference to
 list of {"Action", "Action_Input"} (Action_Input a JSON string), checked by the `tool` reward.
 
     python data/tooluse/prepare.py                  # train.json/test.json from the SDPO repository
-    python data/tooluse/prepare.py --from_file=../shared/data/tooluse_test.jsonl
+    python data/tooluse/prepare.py --from_file=local/tooluse_test.jsonl
 """
 import json
 import os
