@@ -271,13 +271,13 @@ def check_health(row, name, state, cfg):
 RUNAWAY = 10  # a loss this many times its running median (+1) means the run diverged
 
 
-def check_step(loss, state):
-    """Divergence the eval guard would see too late: a non-finite loss, or one far above its running
-    median (the last 20 iterations)."""
+def check_step(loss, state, stop_on_collapse=True):
+    """Divergence the eval guard would see too late: a non-finite loss (always stops), or one far
+    above its running median of the last 20 iterations (stops with stop_on_collapse)."""
     if not math.isfinite(loss):
         raise Collapse(f"loss is {loss}")
     recent = state["losses"][-20:]
-    if len(recent) >= 10 and abs(loss) > RUNAWAY * statistics.median(map(abs, recent)) + 1:
+    if stop_on_collapse and len(recent) >= 10 and abs(loss) > RUNAWAY * statistics.median(map(abs, recent)) + 1:
         raise Collapse(f"loss {loss:.4g} is far above its running median {statistics.median(recent):.4g} (diverging)")
     state["losses"] = recent + [loss]
 

@@ -1440,7 +1440,7 @@ def train_loop(run, cfg, ddp):
             t1 = time.time()
             # student (and teacher) forward and backward, in micro-batches; a diverging loss stops the run
             loss_metrics = loss_backward(model, batch, cfg, dev, run["teacher_model"], run["initial_model"], run["amp"])
-            check_step(loss_metrics["loss"], state)
+            check_step(loss_metrics["loss"], state, cfg["stop_on_collapse"])
             ddp.all_reduce_grads(model)
             t2 = time.time()
             # optimizer step, then the EMA teacher follows the student

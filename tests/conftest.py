@@ -8,9 +8,6 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-# real benchmark test files (MATH500, GSM8K, ...) for the checker tests: a local folder, never in the
-# repo; the tests that need them skip, saying so, when it is absent
-SHARED_DATA = os.environ.get("NANOSDPO_BENCHMARK_DATA", os.path.join(ROOT, "..", "shared", "data"))
 
 # a model small enough that a few iterations take seconds on a 2-core CPU
 TINY = ["--n_layer=1", "--n_head=2", "--n_embd=32", "--block_size=128", "--eval_max_prompts=4", "--eval_n=2",
