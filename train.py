@@ -342,7 +342,8 @@ def generate(model, prompts, *, group_size, max_rows=0, progress=False, **sampli
     per_call = max(1, max_rows // group_size) if max_rows > 0 else len(prompts)
     starts = range(0, len(prompts), per_call)
     parts = [decode(model, prompts[i:i + per_call], group_size=group_size, **sampling)
-             for i in tqdm(starts, desc="rollout", disable=not progress or len(starts) == 1, leave=False, file=sys.stdout)]
+             for i in tqdm(starts, desc="rollout", disable=None if progress and len(starts) > 1 else True, leave=False,
+                           file=sys.stdout)]
     if len(parts) == 1:
         return parts[0]
     return Batch(*[[x for part in parts for x in getattr(part, f)] for f in
@@ -1206,7 +1207,9 @@ def evaluate(model, tokenizer, tasks, *, n, temperature, top_p, max_new_tokens, 
     model.eval()
     scores, texts, lengths = [], [], []
     eos_ids = stop_token_ids(model, tokenizer)
-    for start in tqdm(range(0, len(tasks), batch_prompts), desc="eval", disable=not progress, leave=False, file=sys.stdout):
+    # progress bars only on a terminal (disable=None): a log file gets the eval line, not the bar
+    for start in tqdm(range(0, len(tasks), batch_prompts), desc="eval", disable=None if progress else True, leave=False,
+                      file=sys.stdout):
         chunk = tasks[start:start + batch_prompts]
         prompts = [prompt_ids(tokenizer, t["messages"], enable_thinking) for t in chunk]
         out = generate(model, prompts, group_size=n, max_rows=max_rows, max_new_tokens=max_new_tokens,
