@@ -10,8 +10,9 @@ a paired difference is larger than its spread.
 
 Each (arm, seed) is one `train.py` run and one `eval.py` run into out_root/<arm>_s<seed>/, at one
 torch thread (OMP_NUM_THREADS=1: deterministic for a given seed), `--jobs` at a time; a run whose
-eval.json exists is read, not rerun. Every arm is `ARMS[name] = (config file, overrides, reference
-arm)`: the reference is the arm it is compared with, seed by seed. Output: per experiment, a table
+eval.json (or `done` marker) exists is read, not rerun. Every arm is one entry of ARMS (config
+file, overrides, the reference arm it is compared with seed by seed, whether eval.py runs, or a
+view of the first stages of another arm's runs). Output: per experiment, a table
 of mean ± standard error [bootstrap 95 % interval] per arm and metric, a table of paired
 differences against the reference arm with a verdict, then a JSON last line.
 
@@ -33,28 +34,44 @@ import os
 import statistics
 import subprocess
 import sys
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+from eval import continual_metrics  # noqa: E402  (forgetting, BWT, gains: one definition)
 G, S = "config/continual_toy_grpo.py", "config/continual_toy_sdpo.py"
-DIST = "toy/add:{n},toy/{d}:{n}"  # the distance experiment's two stages (n: DIST_ITERS)
-DIST_ITERS = 30
-ARMS = {  # name: (config, overrides, reference arm for the paired comparison or None)
+
+
+def arm(config, *overrides, ref=None, evaluate=True, view=None):
+    """An arm: train.py on `config` with `overrides`, compared seed by seed with arm `ref`.
+    evaluate=False: no eval.py run (only train.py's accuracy matrix and log: no drift or format
+    numbers). view=(arm, n): no run of its own, the first n stages of that arm's run (train.py at
+    one thread is deterministic, and a run's first stages do not depend on the stages after them)."""
+    return {"config": config, "overrides": list(overrides), "ref": ref, "evaluate": evaluate, "view": view}
+
+
+DIST = "--stages=toy/add:30,toy/{}:30"  # the distance experiment: add, then one more domain
+ARMS = {
     # main: GRPO vs SDPO at three supervision densities (EMA teacher, tau 0.05)
-    "grpo": (G, [], None),
-    "sdpo": (S, [], "grpo"),
-    "sdpo_d0.5": (S, ["--density=0.5"], "grpo"),
-    "sdpo_d0.25": (S, ["--density=0.25"], "grpo"),
-    # teacher stability: a stable teacher (frozen, slow EMA, trust region) against the fast EMA (tau 0.05)
-    "sdpo_frozen": (S, ["--teacher=frozen"], "sdpo"),
-    "sdpo_ema0.01": (S, ["--teacher_rate=0.01"], "sdpo"),
-    "sdpo_tr0.05": (S, ["--teacher=trust_region", "--teacher_rate=0.05"], "sdpo"),
-    # domain distance: add, then a near (sub), intermediate (mul) or far (sort) domain; each SDPO arm
-    # is compared with GRPO at the same distance
-    **{f"{algo}_{tag}": (cfg, [f"--stages={DIST.format(n=DIST_ITERS, d=d)}"], None if algo == "grpo" else f"grpo_{tag}")
-       for tag, d in (("near", "sub"), ("mid", "mul"), ("far", "sort")) for algo, cfg in (("grpo", G), ("sdpo", S))},
+    "grpo": arm(G),
+    "sdpo": arm(S, ref="grpo"),
+    "sdpo_d0.5": arm(S, "--density=0.5", ref="grpo"),
+    "sdpo_d0.25": arm(S, "--density=0.25", ref="grpo"),
+    # teacher stability: stable teachers (frozen, slow EMA, trust region) against the fast EMA (tau 0.05)
+    "sdpo_frozen": arm(S, "--teacher=frozen", ref="sdpo"),
+    "sdpo_ema0.01": arm(S, "--teacher_rate=0.01", ref="sdpo"),
+    "sdpo_tr0.05": arm(S, "--teacher=trust_region", "--teacher_rate=0.05", ref="sdpo"),
+    # domain distance from add: near (sub, same format, sibling skill), intermediate (mul: the main
+    # runs' first two stages), far (sort: strings, another format); SDPO vs GRPO at each distance
+    "grpo_near": arm(G, DIST.format("sub"), evaluate=False),
+    "sdpo_near": arm(S, DIST.format("sub"), ref="grpo_near", evaluate=False),
+    "grpo_mid": arm(G, view=("grpo", 2)),
+    "sdpo_mid": arm(S, ref="grpo_mid", view=("sdpo", 2)),
+    "grpo_far": arm(G, DIST.format("sort"), evaluate=False),
+    "sdpo_far": arm(S, DIST.format("sort"), ref="grpo_far", evaluate=False),
 }
 EXPERIMENTS = {
     "main": ["grpo", "sdpo", "sdpo_d0.5", "sdpo_d0.25"],
@@ -79,6 +96,7 @@ METRICS = [
     ("bwt", "BWT"),
     ("collapse", f"collapse (an earlier domain < {COLLAPSE_ACC})"),
     ("foreign_format", "foreign answer format rate"),
+    ("no_answer", "no extractable answer rate"),
     ("response_mmd2", "response drift MMD²"),
     ("param_drift", "parameter drift ‖θ−θ0‖/‖θ0‖"),
     ("param_spectral", "spectral parameter drift"),
@@ -206,11 +224,18 @@ def _domain(name):
     return name.split("/")[-1]
 
 
-def run_metrics(out_dir):
-    """The numbers of one finished run (train.py's accuracy_matrix.json and log.jsonl, eval.py's eval.json)."""
-    with open(os.path.join(out_dir, "eval.json")) as f:
-        r = json.load(f)
-    c, d = r["continual"], r["drift"]
+def run_metrics(out_dir, n_stages=None):
+    """The numbers of one finished run (train.py's accuracy_matrix.json and log.jsonl, eval.py's eval.json
+    when there is one), or of its first n_stages stages (then without eval.py's numbers)."""
+    d = None
+    if n_stages is None and os.path.exists(os.path.join(out_dir, "eval.json")):
+        with open(os.path.join(out_dir, "eval.json")) as f:
+            d = json.load(f)["drift"]
+    with open(os.path.join(out_dir, "accuracy_matrix.json")) as f:
+        c = json.load(f)
+    if n_stages is not None:
+        c = dict(c, stages=c["stages"][:n_stages], rows=c["rows"][:n_stages])
+    c = {**c, **continual_metrics(c)}
     sets, rows = c["eval_sets"], c["rows"]
     final = dict(zip(sets, rows[-1]))
     first = c["stages"][0]
@@ -223,9 +248,10 @@ def run_metrics(out_dir):
     rewards = [x["reward"] for x in log if x.get("stage") == first and "reward" in x]
     first_iters = max([x["iter"] for x in log if x.get("stage") == first and "reward" in x] or [0])
     periodic = [x for x in log if x.get("eval") == first and x.get("tag") == "periodic" and x["iter"] <= first_iters]
-    mmd = [v["mmd2"] for v in d["response"].values() if v.get("mmd2") is not None]
-    leak = [v["model"]["foreign_format"] for v in d["artifacts"].values()]
-    spectral = d["param"].get("spectral")  # hook: eval.py's principal-angle drift, when it exists
+    mmd = [v["mmd2"] for v in d["response"].values() if v.get("mmd2") is not None] if d else []
+    leak = [v["model"]["foreign_format"] for v in d["artifacts"].values()] if d else []
+    empty = [v["model"]["empty_answer"] for v in d["artifacts"].values()] if d else []
+    spectral = d["param"].get("spectral") if d else None  # hook: eval.py's principal-angle drift, once it exists
     if isinstance(spectral, dict):
         spectral = spectral.get("overall")
     out = {
@@ -235,29 +261,52 @@ def run_metrics(out_dir):
         **{_domain(s): final[s] for s in sets},
         "avg_final": c["avg_final"], "forgetting": c["avg_forgetting"], "bwt": c["bwt"],
         "collapse": float(any(final[s] < COLLAPSE_ACC for s in earlier)) if earlier else None,
-        "foreign_format": sum(leak) / len(leak), "response_mmd2": sum(mmd) / len(mmd) if mmd else None,
-        "param_drift": d["param"]["overall"], "param_spectral": spectral,
-        "mmd2_floor": max((v.get("mmd2_floor") or 0.0) for v in d["response"].values()) if d["response"] else None,
+        "foreign_format": sum(leak) / len(leak) if leak else None,
+        "no_answer": sum(empty) / len(empty) if empty else None,
+        "response_mmd2": sum(mmd) / len(mmd) if mmd else None,
+        "param_drift": d["param"]["overall"] if d else None, "param_spectral": spectral,
+        "mmd2_floor": max((v.get("mmd2_floor") or 0.0) for v in d["response"].values()) if d and d["response"] else None,
     }
     return out
 
 
-def run_one(arm, seed, out_root, quiet=True):
-    """Train and evaluate one (arm, seed) unless its eval.json exists; returns its run folder."""
-    config, overrides, _ = ARMS[arm]
-    out = os.path.join(out_root, f"{arm}_s{seed}")
-    if not os.path.exists(os.path.join(ROOT, out, "eval.json")):
+_LOCKS, _LOCKS_LOCK = {}, threading.Lock()
+
+
+def run_dir(name, seed, out_root):
+    return os.path.join(out_root, f"{name}_s{seed}")
+
+
+def run_one(name, seed, out_root):
+    """Train (and unless the arm says otherwise, evaluate) one (arm, seed) unless its `done` marker
+    or eval.json exists; returns (run folder, n_stages or None). A view runs its source arm."""
+    a = ARMS[name]
+    if a["view"]:
+        return run_one(a["view"][0], seed, out_root)[0], a["view"][1]
+    out = run_dir(name, seed, out_root)
+    full = os.path.join(ROOT, out)
+    with _LOCKS_LOCK:
+        lock = _LOCKS.setdefault(full, threading.Lock())
+    with lock:  # a view and its source never run the same folder twice at once
+        _run_locked(a, seed, out, full)
+    return out, None
+
+
+def _run_locked(a, seed, out, full):
+    if not (os.path.exists(os.path.join(full, "done")) or os.path.exists(os.path.join(full, "eval.json"))):
         env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
-        os.makedirs(os.path.join(ROOT, out), exist_ok=True)
-        with open(os.path.join(ROOT, out, "run.out"), "w") as log:
-            for cmd in ([sys.executable, "train.py", config, *overrides, f"--seed={seed}", f"--out_dir={out}"],
-                        [sys.executable, "eval.py", f"--run_dir={out}", "--n=4", "--k=1,4", "--max_prompts=100",
-                         "--drift_prompts=64", "--stage_drift=False", f"--seed={seed}"]):
+        os.makedirs(full, exist_ok=True)
+        cmds = [[sys.executable, "train.py", a["config"], *a["overrides"], f"--seed={seed}", f"--out_dir={out}"]]
+        if a["evaluate"]:
+            cmds.append([sys.executable, "eval.py", f"--run_dir={out}", "--n=4", "--k=1,4", "--max_prompts=100",
+                         "--drift_prompts=64", "--stage_drift=False", f"--seed={seed}"])
+        with open(os.path.join(full, "run.out"), "w") as log:
+            for cmd in cmds:
                 print("+", " ".join(cmd), flush=True)
                 log.write("+ " + " ".join(cmd) + "\n")
                 log.flush()
                 subprocess.run(cmd, cwd=ROOT, check=True, stdout=log, stderr=subprocess.STDOUT, env=env)
-    return out
+        open(os.path.join(full, "done"), "w").close()
 
 
 # ----------------------------------------------------------------------------- report
@@ -295,7 +344,7 @@ def report(arms, seeds, per_run, ref_override=None):
         lines.append(f"| {label} | " + " | ".join(cell(summary[a][k], digits[k]) for a in arms) + " |")
     comparisons = []
     for a in arms:
-        ref = ARMS[a][2] if ref_override is None else (None if ref_override in ("none", a) else ref_override)
+        ref = ARMS[a]["ref"] if ref_override is None else (None if ref_override in ("none", a) else ref_override)
         if ref is None or ref not in arms:
             continue
         for k, label in metrics:
@@ -367,11 +416,13 @@ if __name__ == "__main__":
     seeds = parse_seeds(args.seeds)
     todo = [(a, s) for s in seeds for a in arms]  # seed-major: a half-finished sweep is still paired
     if args.no_run:
-        dirs = {(a, s): os.path.join(args.out_root, f"{a}_s{s}") for a, s in todo}
-    else:
+        dirs = {(a, s): ((run_dir(ARMS[a]["view"][0], s, args.out_root), ARMS[a]["view"][1]) if ARMS[a]["view"]
+                         else (run_dir(a, s, args.out_root), None)) for a, s in todo}
+    else:  # views last: their source runs are then done or running
+        order = sorted(todo, key=lambda t: bool(ARMS[t[0]]["view"]))
         with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
-            dirs = dict(zip(todo, pool.map(lambda t: run_one(t[0], t[1], args.out_root), todo)))
-    per_run = {t: run_metrics(os.path.join(ROOT, d)) for t, d in dirs.items()}
+            dirs = dict(zip(order, pool.map(lambda t: run_one(t[0], t[1], args.out_root), order)))
+    per_run = {t: run_metrics(os.path.join(ROOT, d), n) for t, (d, n) in dirs.items()}
     lines, out = report(arms, seeds, per_run, args.ref)
     cl, cout = contrasts(args.experiment if not args.arms else "", seeds, per_run)
     lines += cl
