@@ -300,12 +300,16 @@ def _run_locked(a, seed, out, full):
         if a["evaluate"]:
             cmds.append([sys.executable, "eval.py", f"--run_dir={out}", "--n=4", "--k=1,4", "--max_prompts=100",
                          "--drift_prompts=64", "--stage_drift=False", f"--seed={seed}"])
-        with open(os.path.join(full, "run.out"), "w") as log:
+        if os.path.exists(os.path.join(full, "trained")):  # train.py finished earlier; eval.py did not
+            cmds = cmds[1:]
+        with open(os.path.join(full, "run.out"), "a") as log:
             for cmd in cmds:
                 print("+", " ".join(cmd), flush=True)
                 log.write("+ " + " ".join(cmd) + "\n")
                 log.flush()
                 subprocess.run(cmd, cwd=ROOT, check=True, stdout=log, stderr=subprocess.STDOUT, env=env)
+                if cmd[1] == "train.py":
+                    open(os.path.join(full, "trained"), "w").close()
         open(os.path.join(full, "done"), "w").close()
 
 
