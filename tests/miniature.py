@@ -78,9 +78,14 @@ EXPERIMENTS = {
     "teacher": ["sdpo", "sdpo_frozen", "sdpo_ema0.01", "sdpo_tr0.05", "grpo"],
     "distance": ["grpo_near", "sdpo_near", "grpo_mid", "sdpo_mid", "grpo_far", "sdpo_far"],
 }
-# distance: the SDPO − GRPO forgetting gap at the intermediate distance against the near and far ones
-CONTRASTS = {"distance": [("forgetting", ("sdpo_mid", "grpo_mid"), ("sdpo_near", "grpo_near")),
-                          ("forgetting", ("sdpo_mid", "grpo_mid"), ("sdpo_far", "grpo_far"))]}
+# linear contrasts over arms, per seed (metric, {arm: coefficient}): where in distance the forgetting is
+# largest, for each algorithm, and where SDPO's excess over GRPO is largest
+CONTRASTS = {"distance": [
+    ("forgetting", {"grpo_mid": 1, "grpo_near": -1}), ("forgetting", {"grpo_mid": 1, "grpo_far": -1}),
+    ("forgetting", {"sdpo_mid": 1, "sdpo_near": -1}), ("forgetting", {"sdpo_mid": 1, "sdpo_far": -1}),
+    ("forgetting", {"sdpo_mid": 1, "grpo_mid": -1, "sdpo_near": -1, "grpo_near": 1}),
+    ("forgetting", {"sdpo_mid": 1, "grpo_mid": -1, "sdpo_far": -1, "grpo_far": 1}),
+]}
 # A run collapses when a domain it trained on in an earlier stage ends below COLLAPSE_ACC mean@4
 # (the toy base holds every domain at 0.15-0.36: below 0.05 is most of it gone).
 COLLAPSE_ACC = 0.05
@@ -375,22 +380,31 @@ def report(arms, seeds, per_run, ref_override=None):
     return lines, {"summary": summary, "comparisons": comparisons}
 
 
+def contrast_label(coefs):
+    if len(coefs) == 4:  # {a1: 1, b1: -1, a2: -1, b2: 1}: a difference of two paired differences
+        a1, b1, a2, b2 = coefs
+        return f"({a1} − {b1}) − ({a2} − {b2})"
+    pos = " + ".join(a for a, c in coefs.items() if c > 0)
+    neg = " − ".join(a for a, c in coefs.items() if c < 0)
+    return f"{pos} − {neg}"
+
+
 def contrasts(name, seeds, per_run):
-    """Difference-in-differences: (a1 − b1) − (a2 − b2) per seed, for CONTRASTS[name]."""
+    """Linear contrasts Σ coef·value per seed (CONTRASTS[name]), their mean, intervals and verdict."""
     lines, out = [], []
-    for k, (a1, b1), (a2, b2) in CONTRASTS.get(name, []):
-        if not all((x, s) in per_run for x in (a1, b1, a2, b2) for s in seeds):
+    for k, coefs in CONTRASTS.get(name, []):
+        if not all((a, s) in per_run for a in coefs for s in seeds):
             continue
-        g1 = [per_run[(a1, s)][k] - per_run[(b1, s)][k] for s in seeds]
-        g2 = [per_run[(a2, s)][k] - per_run[(b2, s)][k] for s in seeds]
-        dd = paired_diff(g1, g2)
-        label = f"({a1} − {b1}) − ({a2} − {b2})"
-        out.append({"metric": k, "contrast": label, **dd, "verdict": verdict(dd, f"({a1} − {b1})", f"({a2} − {b2})")})
+        vals = [sum(c * per_run[(a, s)][k] for a, c in coefs.items()) for s in seeds]
+        dd = paired_diff(vals, [0.0] * len(vals))
+        label = contrast_label(coefs)
+        v = verdict(dd, "contrast", "0").replace("contrast > 0", "> 0").replace("contrast < 0", "< 0")
+        out.append({"metric": k, "contrast": label, "coefs": coefs, **dd, "verdict": v})
         lines.append(f"| {label} | {k} | {_f(dd['mean'])} ± {_f(dd['se'])} [{_f(dd['ci'][0])}, {_f(dd['ci'][1])}] "
-                     f"[{_f(dd['t_ci'][0])}, {_f(dd['t_ci'][1])}] | {out[-1]['verdict']} |")
+                     f"[{_f(dd['t_ci'][0])}, {_f(dd['t_ci'][1])}] | {v} |")
     if lines:
-        lines = ["", "contrast (difference of paired differences, per seed)", "",
-                 "| contrast | metric | difference | verdict |", "|---|---|---|---|"] + lines
+        lines = ["", "contrasts (per seed, then over seeds): mean ± SE [bootstrap 95 %] [t 95 %]", "",
+                 "| contrast | metric | value | verdict |", "|---|---|---|---|"] + lines
     return lines, out
 
 

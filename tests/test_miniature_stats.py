@@ -78,3 +78,16 @@ def test_summarize_binary_gets_a_wilson_rate_and_report_has_a_verdict_column():
 
 def test_parse_seeds():
     assert mini.parse_seeds("1-4,9") == [1, 2, 3, 4, 9] and mini.parse_seeds("7") == [7]
+
+
+def test_contrasts_difference_of_differences():
+    seeds = list(range(1, 9))
+    per_run = {}
+    for s in seeds:
+        for a in mini.EXPERIMENTS["distance"]:
+            per_run[(a, s)] = {"forgetting": 0.05 + 0.001 * s + (0.1 if a == "sdpo_mid" else 0.0) + 0.003 * (s % 3)}
+    lines, out = mini.contrasts("distance", seeds, per_run)
+    by = {c["contrast"]: c for c in out}
+    c = by["(sdpo_mid − grpo_mid) − (sdpo_near − grpo_near)"]
+    assert math.isclose(c["mean"], 0.1) and c["verdict"] == "> 0"
+    assert by["grpo_mid − grpo_near"]["verdict"] == "no difference resolved"  # identical values: all zero
