@@ -1,0 +1,93 @@
+"""The statistics of tests/miniature.py (pure functions; no training runs)."""
+import math
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import miniature as mini  # noqa: E402
+
+
+def test_mean_se_matches_the_textbook_formula():
+    m, se = mini.mean_se([1.0, 2.0, 3.0, 4.0])
+    assert m == 2.5 and math.isclose(se, math.sqrt(5 / 3) / 2)
+    assert math.isnan(mini.mean_se([1.0])[1]) and math.isnan(mini.mean_se([])[0])
+    assert mini.mean_se([1.0, None, 3.0])[0] == 2.0  # missing values are dropped
+
+
+def test_bootstrap_ci_is_reproducible_brackets_the_mean_and_shrinks_with_n():
+    xs = [0.1, 0.4, 0.35, 0.2, 0.3, 0.25, 0.15, 0.5]
+    lo, hi = mini.bootstrap_ci(xs)
+    assert (lo, hi) == mini.bootstrap_ci(xs) and lo < sum(xs) / len(xs) < hi
+    assert mini.bootstrap_ci([0.3] * 5) == (0.3, 0.3)
+    lo4, hi4 = mini.bootstrap_ci(xs * 4)
+    assert hi4 - lo4 < hi - lo
+    # a normal-theory check: for many samples the interval is about mean ± 1.96 SE
+    big = [((i * 7919) % 1000) / 1000 for i in range(400)]
+    lo, hi = mini.bootstrap_ci(big)
+    m, se = mini.mean_se(big)
+    assert math.isclose(hi - lo, 2 * 1.96 * se, rel_tol=0.1)
+
+
+def test_t_quantile_matches_tables():
+    for df, q in ((1, 12.706), (2, 4.303), (3, 3.182), (7, 2.365), (8, 2.306), (15, 2.131), (30, 2.042)):
+        assert abs(mini.t_quantile(0.975, df) - q) < 0.001, df
+
+
+def test_wilson_interval_known_values():
+    lo, hi = mini.wilson(0, 8)
+    assert lo == 0.0 and math.isclose(hi, 0.3244, abs_tol=1e-3)
+    lo, hi = mini.wilson(4, 8)
+    assert math.isclose(lo, 0.2152, abs_tol=1e-3) and math.isclose(hi, 0.7848, abs_tol=1e-3)
+    lo, hi = mini.wilson(8, 8)
+    assert hi == 1.0 and math.isclose(lo, 0.6756, abs_tol=1e-3)
+
+
+def test_paired_diff_uses_pairs_and_verdict_needs_both_intervals():
+    a = [0.30, 0.42, 0.25, 0.38, 0.33, 0.29, 0.41, 0.36]
+    b = [x - 0.05 + 0.01 * (i % 3 - 1) for i, x in enumerate(a)]  # a consistently 0.04-0.06 higher
+    d = mini.paired_diff(a, b)
+    assert d["n"] == 8 and math.isclose(d["mean"], 0.05, abs_tol=0.005) and d["ci"][0] > 0 and d["t_ci"][0] > 0
+    assert mini.verdict(d, "sdpo", "grpo") == "sdpo > grpo"
+    assert mini.verdict(mini.paired_diff(b, a), "sdpo", "grpo") == "sdpo < grpo"
+    # the same means unpaired would not separate (seed spread 0.06 >> 0.05), but pairing removes it
+    noisy = mini.paired_diff([0.1, 0.5, 0.2, 0.6], [0.5, 0.1, 0.6, 0.2])
+    assert mini.verdict(noisy, "x", "y") == "no difference resolved"
+    # pairs with a missing side are dropped
+    assert mini.paired_diff([1.0, None, 3.0], [0.0, 1.0, None])["n"] == 1
+
+
+def test_mcnemar_exact():
+    assert mini.mcnemar_exact([1] * 6 + [0] * 2, [0] * 8) == 2 / 2 ** 6
+    assert mini.mcnemar_exact([1, 0, 1, 0], [1, 0, 1, 0]) == 1.0
+    assert math.isclose(mini.mcnemar_exact([1, 1, 0], [0, 0, 1]), 1.0)
+
+
+def test_summarize_binary_gets_a_wilson_rate_and_report_has_a_verdict_column():
+    s = mini.summarize([1.0, 0.0, 0.0, 1.0])
+    assert s["k"] == 2 and s["n"] == 4 and "wilson" in s
+    seeds = [1, 2, 3, 4, 5, 6]
+    per_run = {}
+    for s_ in seeds:
+        per_run[("grpo", s_)] = {"avg_final": 0.30 + 0.01 * s_, "collapse": 0.0}
+        per_run[("sdpo", s_)] = {"avg_final": 0.20 + 0.01 * s_ + 0.002 * (s_ % 2), "collapse": float(s_ < 3)}
+    lines, out = mini.report(["grpo", "sdpo"], seeds, per_run)
+    text = "\n".join(lines)
+    assert "sdpo < grpo" in text and "2/6" in text and "McNemar" in text
+    assert {c["metric"] for c in out["comparisons"]} == {"avg_final", "collapse"}
+
+
+def test_parse_seeds():
+    assert mini.parse_seeds("1-4,9") == [1, 2, 3, 4, 9] and mini.parse_seeds("7") == [7]
+
+
+def test_contrasts_difference_of_differences():
+    seeds = list(range(1, 9))
+    per_run = {}
+    for s in seeds:
+        for a in mini.EXPERIMENTS["distance"]:
+            per_run[(a, s)] = {"forgetting": 0.05 + 0.001 * s + (0.1 if a == "sdpo_mid" else 0.0) + 0.003 * (s % 3)}
+    lines, out = mini.contrasts("distance", seeds, per_run)
+    by = {c["contrast"]: c for c in out}
+    c = by["(sdpo_mid − grpo_mid) − (sdpo_near − grpo_near)"]
+    assert math.isclose(c["mean"], 0.1) and c["verdict"] == "> 0"
+    assert by["grpo_mid − grpo_near"]["verdict"] == "no difference resolved"  # identical values: all zero
