@@ -125,6 +125,18 @@ def test_tool(response, score):
     assert reward("tool", response, TOOL_REF)[0] == score
 
 
+def test_tool_json_values_compare_by_type():
+    """Python's == says True == 1 and 1 == 1.0; a tool call's JSON true is not the reference's 1."""
+    ref = json.dumps([{"Action": "set", "Action_Input": "{\"on\": 1, \"tags\": [1, 2], \"x\": {\"y\": false}}"}])
+    call = "Action: set\nAction Input: {}"
+    assert reward("tool", call.format('{"on": 1, "tags": [1, 2], "x": {"y": false}}'), ref) == (1.0, None)
+    for wrong in ('{"on": true, "tags": [1, 2], "x": {"y": false}}', '{"on": 1, "tags": [true, 2], "x": {"y": false}}',
+                  '{"on": 1, "tags": [1, 2], "x": {"y": 0}}', '{"on": "1", "tags": [1, 2], "x": {"y": false}}'):
+        score, feedback = reward("tool", call.format(wrong), ref)
+        assert score == 0.0 and "wrong values for" in feedback, wrong
+    assert reward("tool", call.format('{"on": 1.0, "tags": [1, 2], "x": {"y": false}}'), ref)[0] == 1.0  # one JSON number
+
+
 def test_tool_feedback():
     one = json.dumps([{"Action": "search", "Action_Input": "{\"q\": \"cats\"}"}])
     assert reward("tool", "Action: find\nAction Input: {\"q\": \"cats\"}", one)[1].startswith("Action names do not match")
