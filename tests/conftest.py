@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -23,6 +24,15 @@ def toy_data():
             not os.path.exists(os.path.join(data, "toy", "context", "train.jsonl")):
         subprocess.run([sys.executable, os.path.join(data, "toy", "prepare.py")], check=True, cwd=ROOT)
     return data
+
+
+@pytest.fixture
+def one_thread():
+    """One torch thread for tiny tensors: intra-op threads only add synchronisation (slow on a busy machine)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
 
 
 def run_train(*args, check=True, env=None):

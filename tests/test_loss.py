@@ -15,13 +15,7 @@ from train import distill_divergence, fused_token_loss, naive_token_loss, sample
 f64 = torch.float64
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    # tiny tensors: intra-op threads only add synchronisation (slow on a busy machine)
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
 # ----------------------------------------------------------------------------- references

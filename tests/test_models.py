@@ -43,12 +43,7 @@ def build(name):
     return getattr(transformers, model_cls)(config).float().eval()
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
 @pytest.mark.parametrize("name", ARCHS)
