@@ -148,7 +148,7 @@ def recover(ckpt_dir):
     return None
 
 
-def save(ckpt_dir, model, tokenizer, optimizer, teacher_model, state, rng_tensors, save_dtype="float32"):
+def save(ckpt_dir, *, model, tokenizer, optimizer, teacher_model, state, rng_tensors, save_dtype="float32"):
     """Write a checkpoint (layout in the module docstring) atomically."""
     tmp, old = ckpt_dir + ".tmp", ckpt_dir + ".old"
     shutil.rmtree(tmp, ignore_errors=True)

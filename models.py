@@ -31,8 +31,8 @@ hf_logging.disable_progress_bar()
 hf_logging.set_verbosity_error()
 hf_hub_logging.set_verbosity_error()
 
-# transformers renamed the forward's KV-cache argument from past_key_values to cache (5.2x); 5.17
-# silently ignores cache=, so the name is read off the installed version's signature
+# the forward takes its KV cache as `cache` in newer transformers (5.2x) and as `past_key_values` in
+# older ones (5.17 silently ignores cache=): the name is read off the installed version's signature
 CACHE = "cache" if "cache" in inspect.signature(Qwen2ForCausalLM.forward).parameters else "past_key_values"
 SOFTCAP_FIELDS = ("final_logit_softcapping", "logits_soft_cap", "output_logit_soft_cap")
 

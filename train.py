@@ -341,12 +341,12 @@ def generate(model, prompts, *, group_size, max_rows=0, progress=False, **sampli
     `sampling`: decode()'s keywords (max_new_tokens, temperature, top_p, eos_ids, pad_id, generator, static)."""
     per_call = max(1, max_rows // group_size) if max_rows > 0 else len(prompts)
     starts = range(0, len(prompts), per_call)
-    parts = [decode(model, prompts[i:i + per_call], group_size=group_size, **sampling)
-             for i in tqdm(starts, desc="rollout", disable=None if progress and len(starts) > 1 else True, leave=False,
-                           file=sys.stdout)]
-    if len(parts) == 1:
-        return parts[0]
-    return Batch(*[[x for part in parts for x in getattr(part, f)] for f in
+    chunks = [decode(model, prompts[i:i + per_call], group_size=group_size, **sampling)
+              for i in tqdm(starts, desc="rollout", disable=None if progress and len(starts) > 1 else True, leave=False,
+                            file=sys.stdout)]
+    if len(chunks) == 1:
+        return chunks[0]
+    return Batch(*[[x for chunk in chunks for x in getattr(chunk, f)] for f in
                    ("prompt_ids", "response_ids", "old_logprobs", "truncated")])
 
 
@@ -464,7 +464,7 @@ def teacher_messages(messages, peer, feedback, cfg):
 
 
 # ----------------------------------------------------------------------------- batch assembly
-def build_batch(tasks, model, tokenizer, cfg, generator, dev, autocast=contextlib.nullcontext, global_sum=list,
+def build_batch(tasks, model, tokenizer, cfg, generator, dev, *, autocast=contextlib.nullcontext, global_sum=list,
                 progress=False):
     """Rollout → reward → advantages → teacher context → loss weights, for one iteration's prompts.
 
@@ -818,7 +818,7 @@ def _teacher_chunk(t_parts, buf, y, full, transposed):
     return zt_y - t_max - t_log_norm, t_max, t_log_norm, None
 
 
-def _loss_grads(loss_fn, logp, div, tlogp, rows, d_idx, distill, topk_graph):
+def _loss_grads(loss_fn, logp, div, tlogp, *, rows, d_idx, distill, topk_graph):
     """The caller's loss on a chunk's [c] vectors, and by a tiny local autograd: d loss / d logp [c],
     d loss / d div at the distillation rows [nd] (None for "token", where div is a constant), and
     back through the top-k buckets d loss / d s_k [nd, k] (topk_graph: the divergence and s_k)."""
@@ -836,7 +836,7 @@ def _loss_grads(loss_fn, logp, div, tlogp, rows, d_idx, distill, topk_graph):
     return out, g_logp, g_div, g_sk
 
 
-def _logit_grads(p, log_norm, y, g_logp, d_idx, all_div, g_sk, top_idx, ddiv_dz, g_div):
+def _logit_grads(p, *, log_norm, y, g_logp, d_idx, all_div, g_sk, top_idx, ddiv_dz, g_div):
     """d loss / d z for a chunk, in place in the probability buffer p (normalised, or exp(z - max)
     with its log_norm). With s = log_softmax(z): dL/dz = G - p * sum(G), G = dL/ds, which is sparse
     but for "full": nonzero at y (from logp) and at the top-k (g_sk); "full" adds its closed-form
@@ -956,16 +956,17 @@ class _FusedTokenLoss(torch.autograd.Function):
             s_all = t = None
 
             # ---- the caller's loss on the [c] vectors, and its gradients
-            out, g_logp, g_div, g_sk = _loss_grads(loss_fn, logp, div, tlogp, slice(a, b), d_idx, distill,
-                                                   (d, s_k) if nd and distill == "topk" else None)
+            out, g_logp, g_div, g_sk = _loss_grads(loss_fn, logp, div, tlogp, rows=slice(a, b), d_idx=d_idx, distill=distill,
+                                                   topk_graph=(d, s_k) if nd and distill == "topk" else None)
             total += out.detach().to(dt)
             logp_all[a:b], div_all[a:b], tlogp_all[a:b] = logp, div, tlogp
             if not (need_gh or need_gw):
                 continue
 
             # ---- d loss / d z, in place in the p buffer
-            dz = _logit_grads(p, None if full else log_norm, y, g_logp, d_idx, all_div, g_sk,
-                              top_idx if g_sk is not None else None, ddiv_dz if g_div is not None else None, g_div)
+            dz = _logit_grads(p, log_norm=None if full else log_norm, y=y, g_logp=g_logp, d_idx=d_idx, all_div=all_div,
+                              g_sk=g_sk, top_idx=top_idx if g_sk is not None else None,
+                              ddiv_dz=ddiv_dz if g_div is not None else None, g_div=g_div)
             ddiv_dz = None
 
             # ---- chain through z = (h / T) @ W.T (the weight grad accumulates in fp32)
@@ -1033,7 +1034,7 @@ def sampled_logprobs(hidden, weight, tokens, temperature=1.0, chunk_size=128, ma
 
 
 # ----------------------------------------------------------------------------- loss and backward
-def teacher_parts(mode, rate, model, teacher_model, initial_model, teacher_prompts, responses, dev):
+def teacher_parts(*, mode, rate, model, teacher_model, initial_model, teacher_prompts, responses, dev):
     """The teacher's logits as [(hidden [N, H], LM-head weight, coef)], summed by the token loss (the
     model's logit scale is folded into coef); rows of responses without a teacher prompt stay zero
     (they are outside div_rows). No grad."""
@@ -1058,7 +1059,7 @@ def teacher_parts(mode, rate, model, teacher_model, initial_model, teacher_promp
         return [part(initial_model, 1.0 - rate), part(model, rate)]  # trust_region
 
 
-def select_by_divergence(h, weight, tokens, teacher, distill_weight, lengths, cfg, token_loss, options):
+def select_by_divergence(h, weight, tokens, teacher, distill_weight, *, lengths, cfg, token_loss, options):
     """density_select='disagree': each response keeps its number of distilled tokens, moved to the
     tokens where the divergence to the teacher is largest (one no-grad pass of the token loss)."""
     starts = [0, *itertools.accumulate(lengths)]
@@ -1081,7 +1082,7 @@ def loss_chunk_size(cfg, dev):
     return cfg["loss_chunk"] or (128 if dev.type == "cpu" else 512)
 
 
-def loss_backward(model, batch, cfg, dev, teacher_model=None, initial_model=None, amp=None):
+def loss_backward(model, batch, cfg, dev, *, teacher_model=None, initial_model=None, amp=None):
     """Forward + backward over the sequences of one optimizer step, in micro-batches.
 
     batch: a Batch with its loss weights set (build_batch). Sequences with no weight anywhere are
@@ -1111,14 +1112,16 @@ def loss_backward(model, batch, cfg, dev, teacher_model=None, initial_model=None
             t1 = time.time()
             if cfg["algo"] == "sdpo" and div_rows.any():  # teacher forwards only for responses with a signal
                 prompts = [t if w.any() else None for t, w in zip(mb.teacher_prompt_ids, mb.distill_weight)]
-                teacher = teacher_parts(cfg["teacher"], cfg["teacher_rate"], model, teacher_model, initial_model,
-                                        prompts, mb.response_ids, dev)
+                teacher = teacher_parts(mode=cfg["teacher"], rate=cfg["teacher_rate"], model=model, teacher_model=teacher_model,
+                                        initial_model=initial_model, teacher_prompts=prompts, responses=mb.response_ids,
+                                        dev=dev)
             t2 = time.time()
             h = response_hidden(model, mb.prompt_ids, mb.response_ids, dev)
             weight, scale = lm_head(model)  # logits = scale · (h @ weight.T): the scale goes on h
             h = h * scale if scale != 1 else h
         if teacher and cfg["density_select"] == "disagree":
-            distill_weight = select_by_divergence(h, weight, tokens, teacher, distill_weight, lengths, cfg, token_loss, options)
+            distill_weight = select_by_divergence(h, weight, tokens, teacher, distill_weight, lengths=lengths, cfg=cfg,
+                                                  token_loss=token_loss, options=options)
             div_rows = distill_weight > 0
         loss_fn = make_loss_fn(
             algo=cfg["algo"], old_logp=torch.cat(mb.old_logprobs).to(dev), ref_logp=ref_logp,
@@ -1143,7 +1146,7 @@ def loss_backward(model, batch, cfg, dev, teacher_model=None, initial_model=None
 
 
 # ----------------------------------------------------------------------------- step
-def set_lr(optimizer, it, learning_rate, warmup_iters, total_iters, decay_lr, min_lr):
+def set_lr(optimizer, it, *, learning_rate, warmup_iters, total_iters, decay_lr, min_lr):
     """Linear warmup, then constant, or a cosine from learning_rate to min_lr at the last iteration."""
     if it < warmup_iters:
         lr = learning_rate * (it + 1) / warmup_iters
@@ -1341,9 +1344,9 @@ def score_set(run, cfg, ddp, model, tasks, generator):
                        enable_thinking=cfg["enable_thinking"], success_threshold=cfg["success_threshold"],
                        static=use_static_rollout(cfg["static_rollout"], ddp.device), max_rows=cfg["gen_batch_size"],
                        progress=ddp.master, math_checker=cfg["math_checker"])
-    parts = ddp.gather((res["scores"], res["mean_len"] * n * len(res["scores"])))
-    scores = [row_scores for p in parts for row_scores in p[0]]
-    return accuracy_summary(scores, threshold=cfg["success_threshold"]), sum(p[1] for p in parts) / (n * len(scores))
+    per_rank = ddp.gather((res["scores"], res["mean_len"] * n * len(res["scores"])))
+    scores = [row for rank_scores, _ in per_rank for row in rank_scores]
+    return accuracy_summary(scores, threshold=cfg["success_threshold"]), sum(t for _, t in per_rank) / (n * len(scores))
 
 
 def save_checkpoint(run, cfg, ddp):
@@ -1362,8 +1365,9 @@ def save_checkpoint(run, cfg, ddp):
         state["good"] = state["healthy_at"]
     if ddp.master:
         state["data_rng"] = run["data_rng"].getstate()
-        checkpoint.save(run["ckpt_dir"], model, run["tokenizer"], run["optimizer"], run["teacher_model"],
-                        {**state, "config": cfg}, {f"sampling.{r}": g for r, g in enumerate(rng_states)}, cfg["save_dtype"])
+        checkpoint.save(run["ckpt_dir"], model=model, tokenizer=run["tokenizer"], optimizer=run["optimizer"],
+                        teacher_model=run["teacher_model"], state={**state, "config": cfg}, save_dtype=cfg["save_dtype"],
+                        rng_tensors={f"sampling.{r}": g for r, g in enumerate(rng_states)})
         if healthy:
             checkpoint.keep_as_good(run["ckpt_dir"], run["ckpt_dir"] + "_good")
     ddp.barrier()
@@ -1432,17 +1436,18 @@ def train_loop(run, cfg, ddp):
         stage_desc = f"stage {stage + 1}/{len(run['stages'])} {name}" if len(run["stages"]) > 1 else name
         while state["stage_iter"] < iters:
             t0 = time.time()
-            lr = set_lr(optimizer, state["iter"], cfg["learning_rate"], cfg["warmup_iters"], total_iters,
-                        cfg["decay_lr"], cfg["min_lr"])
+            lr = set_lr(optimizer, state["iter"], learning_rate=cfg["learning_rate"], warmup_iters=cfg["warmup_iters"],
+                        total_iters=total_iters, decay_lr=cfg["decay_lr"], min_lr=cfg["min_lr"])
             # this step's prompts: the same global batch on every rank, whole groups per rank
             step_tasks = [run["data_rng"].choice(tasks) for _ in range(cfg["batch_prompts"])]
             my_tasks = step_tasks[ddp.rank * share:(ddp.rank + 1) * share]
             # rollout, reward, advantages, teacher context, loss weights
             batch, rollout_metrics = build_batch(my_tasks, model, run["tokenizer"], cfg, run["generator"], dev,
-                                                 autocast, ddp.global_sum, progress=ddp.master)
+                                                 autocast=autocast, global_sum=ddp.global_sum, progress=ddp.master)
             t1 = time.time()
             # student (and teacher) forward and backward, in micro-batches; a diverging loss stops the run
-            loss_metrics = loss_backward(model, batch, cfg, dev, run["teacher_model"], run["initial_model"], run["amp"])
+            loss_metrics = loss_backward(model, batch, cfg, dev, teacher_model=run["teacher_model"],
+                                         initial_model=run["initial_model"], amp=run["amp"])
             check_step(loss_metrics["loss"], state, cfg["stop_on_collapse"])
             ddp.all_reduce_grads(model)
             t2 = time.time()

@@ -90,11 +90,12 @@ class Runner:
         cfg, model = self.cfg, self.model
         generator = train.make_generator(seed, self.dev)
         t0 = clock(self.dev)
-        train.set_lr(self.optimizer, self.it, cfg["learning_rate"], cfg["warmup_iters"], cfg["max_iters"],
-                     cfg["decay_lr"], cfg["min_lr"])
-        batch, metrics = train.build_batch(tasks, model, self.tokenizer, cfg, generator, self.dev, self.autocast)
+        train.set_lr(self.optimizer, self.it, learning_rate=cfg["learning_rate"], warmup_iters=cfg["warmup_iters"],
+                     total_iters=cfg["max_iters"], decay_lr=cfg["decay_lr"], min_lr=cfg["min_lr"])
+        batch, metrics = train.build_batch(tasks, model, self.tokenizer, cfg, generator, self.dev, autocast=self.autocast)
         t1 = clock(self.dev)
-        m = train.loss_backward(model, batch, cfg, self.dev, self.teacher, self.initial, self.amp)
+        m = train.loss_backward(model, batch, cfg, self.dev, teacher_model=self.teacher, initial_model=self.initial,
+                                amp=self.amp)
         t2 = clock(self.dev)
         train.optimizer_step(model, self.optimizer, cfg["grad_clip"])
         t3 = clock(self.dev)

@@ -1,7 +1,5 @@
 """configurator.py and the config checks: bad input is one clear line and a non-zero exit."""
 import os
-import subprocess
-import sys
 
 from conftest import ROOT, defaults, run_train
 
@@ -88,9 +86,11 @@ def test_every_shipped_config_file_is_valid(path):
 
 def test_lr_schedule_warmup_then_constant_or_cosine():
     opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.0)
-    constant = [train.set_lr(opt, it, 1.0, 4, 20, False, 0.1) for it in range(20)]
+    constant = [train.set_lr(opt, it, learning_rate=1.0, warmup_iters=4, total_iters=20, decay_lr=False, min_lr=0.1)
+                for it in range(20)]
     assert constant[:4] == [0.25, 0.5, 0.75, 1.0] and set(constant[4:]) == {1.0}
-    cosine = [train.set_lr(opt, it, 1.0, 4, 20, True, 0.1) for it in range(20)]
+    cosine = [train.set_lr(opt, it, learning_rate=1.0, warmup_iters=4, total_iters=20, decay_lr=True, min_lr=0.1)
+              for it in range(20)]
     assert cosine[:4] == constant[:4] and cosine[3] == 1.0
     assert all(a > b for a, b in zip(cosine[3:], cosine[4:]))  # strictly decreasing after warmup
     assert cosine[-1] == pytest.approx(0.1) and opt.param_groups[0]["lr"] == cosine[-1]

@@ -80,12 +80,13 @@ def test_density_selection_keeps_the_fraction_and_picks_its_tokens(toy_data):
     tokens = torch.tensor([t for r in batch.response_ids for t in r])
     with torch.no_grad():
         h = models.response_hidden(model, batch.prompt_ids, batch.response_ids, torch.device("cpu"))
-        teacher = train.teacher_parts("live", 0.0, model, None, None, batch.teacher_prompt_ids, batch.response_ids,
-                                      torch.device("cpu"))
+        teacher = train.teacher_parts(mode="live", rate=0.0, model=model, teacher_model=None, initial_model=None,
+                                      teacher_prompts=batch.teacher_prompt_ids, responses=batch.response_ids,
+                                      dev=torch.device("cpu"))
         _, stats = train.naive_token_loss(h, model.get_output_embeddings().weight, tokens, lambda *a: a[0].sum(),
                                           teacher=teacher, alpha=0.5, distill="topk", topk=10, tail=True)
-    picked = train.select_by_divergence(h, model.get_output_embeddings().weight, tokens, teacher, weights, lengths,
-                                        cfg, train.naive_token_loss, {})
+    picked = train.select_by_divergence(h, model.get_output_embeddings().weight, tokens, teacher, weights, lengths=lengths,
+                                        cfg=cfg, token_loss=train.naive_token_loss, options={})
     start = 0
     for length in lengths:
         w, div = picked[start:start + length], stats["div"][start:start + length]
