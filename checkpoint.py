@@ -66,6 +66,8 @@ def locked(out_dir):
             os.remove(path)  # the run that held it is gone
         except OSError as e:
             raise UserError(f"out_dir {out_dir} is not writable ({e.strerror}): give a writable folder") from None
+    else:
+        raise UserError(f"out_dir {out_dir}: another run is starting there at the same time: use another out_dir")
     with os.fdopen(fd, "w") as f:
         f.write(str(os.getpid()))
     try:
@@ -104,7 +106,10 @@ def take_over(out_dir, resume, overwrite):
                             "--init_from=resume, or replace it with --overwrite=True")
         for name in earlier:
             path = os.path.join(out_dir, name)
-            shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+            if os.path.isdir(path):
+                shutil.rmtree(path)
+            else:
+                os.remove(path)
         if earlier:
             notes.append(f"--overwrite=True: removed the earlier run's {', '.join(earlier)} from {out_dir}")
         yield [n for n in notes if n]
@@ -122,7 +127,7 @@ def truncate_log(path, iteration):
     kept = []
     with open(path, encoding="utf-8", errors="replace") as f:
         for line in f:
-            with contextlib.suppress(ValueError):
+            with contextlib.suppress(ValueError, KeyError, TypeError):  # a half-written or foreign line
                 if json.loads(line)["iter"] <= iteration:
                     kept.append(line if line.endswith("\n") else line + "\n")
     with open(path + ".tmp", "w") as f:
@@ -187,12 +192,20 @@ def _set_config_dtype(path, dtype):
 
 
 def keep_as_good(ckpt_dir, good_dir):
-    """ckpt_good/ <- ckpt/ as hard links (no copy: checkpoint files are never modified in place)."""
+    """ckpt_good/ <- ckpt/ as hard links (checkpoint files are never modified in place), or copies
+    where the filesystem has no hard links."""
     tmp = good_dir + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
-    shutil.copytree(ckpt_dir, tmp, copy_function=os.link)
+    shutil.copytree(ckpt_dir, tmp, copy_function=_link_or_copy)
     shutil.rmtree(good_dir, ignore_errors=True)
     os.replace(tmp, good_dir)
+
+
+def _link_or_copy(src, dst):
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
 
 
 def read_state(ckpt_dir):
