@@ -65,14 +65,21 @@ def copy_of(run, tmp_path):
 
 # ----------------------------------------------------------------------------- 1. nothing is deleted by mistake
 @pytest.mark.parametrize("bad", ["--dataset=toy/nonexist", "--wandb_log=True", "--init_from=no/such-model-here",
-                                 "--max_new_tokens=4000"])
-def test_a_bad_input_into_a_finished_run_changes_nothing(finished_run, tmp_path, bad):
-    if bad == "--wandb_log=True" and subprocess.run([sys.executable, "-c", "import wandb"]).returncode == 0:
-        pytest.skip("wandb is installed here: this case needs it absent")
+                                 "--max_new_tokens=4000", "--math_checker=math_verify"])
+def test_a_bad_input_into_a_finished_run_changes_nothing(finished_run, tmp_path, bad, monkeypatch):
+    """Even with --overwrite=True: every input is checked before anything in out_dir is touched.
+    The first case through the command line (one line, exit 1), the others in this process."""
+    monkeypatch.setitem(sys.modules, "wandb", None)  # absent, whatever this machine has installed
+    monkeypatch.setitem(sys.modules, "math_verify", None)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     out = copy_of(finished_run, tmp_path)
     before = listing(out)
-    proc = run_train(*RUN, f"--out_dir={out}", "--overwrite=True", bad, check=False)
-    one_line_error(proc)
+    if bad == "--dataset=toy/nonexist":
+        one_line_error(run_train(*RUN, f"--out_dir={out}", "--overwrite=True", bad, check=False))
+    else:
+        with pytest.raises(train.UserError) as e:
+            train.main(cli_cfg(f"--out_dir={out}", "--overwrite=True", bad))
+        assert "\n" not in str(e.value)
     assert listing(out) == before
 
 
@@ -154,8 +161,11 @@ def test_non_finite_weights_stop_the_run_with_the_guards_message(toy_data, tmp_p
 def test_resume_refuses_a_changed_run_naming_the_key(finished_run, tmp_path, change, key):
     out = copy_of(finished_run, tmp_path)
     before = listing(out)
-    proc = run_train(*RUN, f"--out_dir={out}", "--init_from=resume", change, check=False)
-    assert f"{key} was" in one_line_error(proc) or f"{key} were" in proc.stderr
+    if key == "algo":  # once through the command line: one line, exit 1
+        assert "algo was" in one_line_error(run_train(*RUN, f"--out_dir={out}", "--init_from=resume", change, check=False))
+    else:
+        with pytest.raises(train.UserError, match=f"{key} (was|were)"):
+            train.main(cli_cfg(f"--out_dir={out}", "--init_from=resume", change))
     assert listing(out) == before
 
 
@@ -246,7 +256,12 @@ def test_a_damaged_checkpoint_is_one_line_naming_the_file(tmp_path, toy_data, da
 def test_devices_and_paths_are_one_line(toy_data, args, expect):
     if args == ["--device=cuda"] and torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
-    assert expect in one_line_error(run_train("config/grpo_toy.py", *TINY, "--init_from=scratch", *args, check=False))
+    if args == ["--device=tpu"]:  # once through the command line: one line, exit 1
+        assert expect in one_line_error(run_train("config/grpo_toy.py", *TINY, "--init_from=scratch", *args, check=False))
+        return
+    with pytest.raises(train.UserError, match=expect.replace("(", r"\(")) as e:
+        train.main(cli_cfg(*args))
+    assert "\n" not in str(e.value)
 
 
 @pytest.mark.parametrize("args,expect", [
@@ -258,17 +273,25 @@ def test_sample_py_bad_input_is_one_line(toy_data, tmp_path, args, expect):
     empty = tmp_path / "empty.txt"
     empty.write_text("\n")
     args = [a.replace("EMPTY", str(empty)) for a in args]
-    proc = subprocess.run([sys.executable, "sample.py", "--init_from=no/model", *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=300)
-    assert expect in one_line_error(proc)
+    if args == ["--max_new_tokens=0"]:  # once through the command line: one line, exit 1
+        proc = subprocess.run([sys.executable, "sample.py", "--init_from=no/model", *args], cwd=ROOT, capture_output=True,
+                              text=True, timeout=300)
+        assert expect in one_line_error(proc)
+        return
+    import sample
+    from configurator import configure
+    with pytest.raises(train.UserError, match=expect):
+        sample.main(configure(dict(vars(sample)), ["--init_from=no/model", *args], sample.__file__))
 
 
-def test_sample_py_greedy_at_temperature_zero(finished_run):
+def test_sample_py_greedy_at_temperature_zero(finished_run, capsys):
+    import sample as sample_py
+    from configurator import configure
+
     def sample(seed):
-        proc = subprocess.run([sys.executable, "sample.py", f"--init_from={finished_run / 'ckpt'}", "--temperature=0",
-                               "--num_samples=2", "--max_new_tokens=6", f"--seed={seed}", "--device=cpu"],
-                              cwd=ROOT, capture_output=True, text=True, timeout=300)
-        assert proc.returncode == 0, proc.stderr[-2000:]
-        return [line for line in proc.stdout.splitlines() if line.startswith("-->")]
+        sample_py.main(configure(dict(vars(sample_py)), [f"--init_from={finished_run / 'ckpt'}", "--temperature=0",
+                                                         "--num_samples=2", "--max_new_tokens=6", f"--seed={seed}",
+                                                         "--device=cpu"], sample_py.__file__))
+        return [line for line in capsys.readouterr().out.splitlines() if line.startswith("-->")]
     first = sample(1)
     assert len(first) == 2 and first[0] == first[1] and sample(2) == first  # greedy: no randomness
