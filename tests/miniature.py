@@ -72,11 +72,21 @@ ARMS = {
     "sdpo_mid": arm(S, ref="grpo_mid", view=("sdpo", 2)),
     "grpo_far": arm(G, DIST.format("sort"), evaluate=False),
     "sdpo_far": arm(S, DIST.format("sort"), ref="grpo_far", evaluate=False),
+    # which tokens get the teacher at the same expected fraction (vs random at that density)
+    "sdpo_d0.25_disagree": arm(S, "--density=0.25", "--density_select=disagree", ref="sdpo_d0.25"),
+    "sdpo_d0.25_last": arm(S, "--density=0.25", "--density_select=last", ref="sdpo_d0.25"),
+    "sdpo_d0.5_disagree": arm(S, "--density=0.5", "--density_select=disagree", ref="sdpo_d0.5"),
+    "sdpo_d0.5_last": arm(S, "--density=0.5", "--density_select=last", ref="sdpo_d0.5"),
+    # normalisation: the references' seq-mean (step shrinks with the fraction that has a peer) vs token-mean
+    "sdpo_seqmean": arm(S, "--distill_agg=seq-mean", ref="sdpo"),
 }
 EXPERIMENTS = {
     "main": ["grpo", "sdpo", "sdpo_d0.5", "sdpo_d0.25"],
     "teacher": ["sdpo", "sdpo_frozen", "sdpo_ema0.01", "sdpo_tr0.05", "grpo"],
     "distance": ["grpo_near", "sdpo_near", "grpo_mid", "sdpo_mid", "grpo_far", "sdpo_far"],
+    "select": ["grpo", "sdpo", "sdpo_d0.25", "sdpo_d0.25_disagree", "sdpo_d0.25_last"],
+    "select0.5": ["grpo", "sdpo", "sdpo_d0.5", "sdpo_d0.5_disagree", "sdpo_d0.5_last"],
+    "norm": ["grpo", "sdpo", "sdpo_seqmean"],
 }
 # linear contrasts over arms, per seed (metric, {arm: coefficient}): where in distance the forgetting is
 # largest, for each algorithm, and where SDPO's excess over GRPO is largest
