@@ -213,8 +213,8 @@ def paired_diff(a, b, level=0.95, seed=0):
 def verdict(diff, name, ref):
     """'name > ref' / 'name < ref' when both intervals of the paired difference exclude 0, else
     'no difference resolved'."""
-    lo = max(diff["ci"][0], diff["t_ci"][0])
-    hi = min(diff["ci"][1], diff["t_ci"][1])
+    lo = min(diff["ci"][0], diff["t_ci"][0])  # > 0 only when both lower bounds are
+    hi = max(diff["ci"][1], diff["t_ci"][1])
     if any(math.isnan(x) for x in (*diff["ci"], *diff["t_ci"])):
         return "no difference resolved"
     if lo > 0:
@@ -224,12 +224,12 @@ def verdict(diff, name, ref):
     return "no difference resolved"
 
 
-def summarize(values):
-    """One arm's metric over seeds: {n, mean, se, ci} (+ k and a Wilson interval for 0/1 values)."""
+def summarize(values, binary=False):
+    """One arm's metric over seeds: {n, mean, se, ci} (+ k and a Wilson interval for a 0/1 metric)."""
     xs = _clean(values)
     m, se = mean_se(xs)
     out = {"n": len(xs), "mean": m, "se": se, "ci": bootstrap_ci(xs)}
-    if xs and all(x in (0.0, 1.0) for x in xs):
+    if binary and xs:
         out.update(k=int(sum(xs)), wilson=wilson(int(sum(xs)), len(xs)))
     return out
 
@@ -354,7 +354,7 @@ def report(arms, seeds, per_run, ref_override=None):
     """Tables (markdown lines) and a JSON-able summary for `arms` over `seeds`."""
     metrics = [(k, label) for k, label in METRICS
                if any(per_run[(a, s)].get(k) is not None for a in arms for s in seeds)]
-    summary = {a: {k: summarize([per_run[(a, s)].get(k) for s in seeds]) for k, _ in metrics} for a in arms}
+    summary = {a: {k: summarize([per_run[(a, s)].get(k) for s in seeds], k in BINARY) for k, _ in metrics} for a in arms}
     digits = {k: (4 if k in ("response_mmd2", "param_drift", "param_spectral") else 3) for k, _ in metrics}
     lines = [f"mean ± SE [bootstrap 95 %] over {len(seeds)} paired seeds ({','.join(map(str, seeds))}); "
              "collapse: count/n [Wilson 95 %]", "",
