@@ -23,8 +23,10 @@ Statistics (pure functions below, tested in tests/test_miniature_stats.py):
   verdict             "A > B" / "A < B" only when *both* 95 % intervals of the paired difference
                       exclude 0 (with 8 seeds the percentile bootstrap is the narrower of the two and
                       under-covers; the t interval guards it), else "no difference resolved"
-  collapse            a 0/1 per run (COLLAPSE below), shown as a rate k/n with a Wilson 95 % interval;
-                      its paired comparison is the same bootstrap, plus McNemar's exact p
+  collapse            a 0/1 per run (COLLAPSE_ACC below), shown as a rate k/n with a Wilson 95 % interval;
+                      its paired comparison is the same bootstrap and t interval, and its verdict also
+                      needs McNemar's exact p < 0.05 (with 8 seeds: at least 6 discordant pairs, all
+                      one way)
 Needs the toy base: python data/toy/prepare.py && python train.py config/toy_base.py
 """
 import argparse
@@ -373,8 +375,10 @@ def report(arms, seeds, per_run, ref_override=None):
             if dd["n"] == 0:
                 continue
             row = {"arm": a, "ref": ref, "metric": k, **dd, "verdict": verdict(dd, a, ref)}
-            if k in BINARY:
+            if k in BINARY:  # 0/1 outcomes: the intervals of a mean of 8 zeros and ones are too optimistic
                 row["mcnemar_p"] = mcnemar_exact([v == 1.0 for v in x], [v == 1.0 for v in y])
+                if row["mcnemar_p"] >= 0.05:
+                    row["verdict"] = "no difference resolved"
             comparisons.append(row)
     if comparisons:
         lines += ["", "paired difference (arm − reference, per seed): mean ± SE [bootstrap 95 %] [t 95 %]; verdict only "

@@ -77,6 +77,8 @@ def test_summarize_binary_gets_a_wilson_rate_and_report_has_a_verdict_column():
     lines, out = mini.report(["grpo", "sdpo"], seeds, per_run)
     text = "\n".join(lines)
     assert "sdpo < grpo" in text and "2/6" in text and "McNemar" in text
+    # 2 collapses vs 0 in 6 pairs: McNemar p = 0.5, so no verdict on collapse
+    assert next(c for c in out["comparisons"] if c["metric"] == "collapse")["verdict"] == "no difference resolved"
     assert {c["metric"] for c in out["comparisons"]} == {"avg_final", "collapse"}
 
 
