@@ -16,8 +16,9 @@ Each run is `train.py <config> --eval_interval=10 --stop_on_collapse=False --see
 tests/miniature.py). From each run's log.jsonl: the student's mean@4 at every eval, the teacher's
 teacher_mean@4 (the teacher reading each eval prompt with the reference solution as its
 demonstration: SDPO arms), and per 10-iteration window the mean peer_frac, reward and
-sampled_logratio(_ok, _failed). Per run: peak = the best eval after iteration 0, fade = peak − final,
-net = final − start, early = eval@20 − start; teacher_drop = teacher@0 − teacher@60.
+sampled_logratio(_ok, _failed). Per run: peak = the best eval after iteration 0, fade = peak − final, gain10 = eval@10 − start,
+net = final − start, early = eval@20 − start; teacher_drop = teacher@0 − teacher@60;
+*_late: the mean over the second half of the iterations (31-60).
 """
 import argparse
 import json
@@ -76,7 +77,8 @@ def read_run(full):
     windows = {k: {w: sum(v) / len(v) for w, v in d.items()} for k, d in windows.items()}
     last = max(student)
     after = [v for i, v in student.items() if i > 0]
-    m = {"start": student[0], "final": student[last], "peak": max(after), "early": student.get(20, None)}
+    m = {"start": student[0], "final": student[last], "peak": max(after), "early": student.get(20, None),
+         "gain10": student[10] - student[0] if 10 in student else None}
     m.update(fade=m["peak"] - m["final"], net=m["final"] - m["start"],
              early_gain=(m["early"] - m["start"]) if m["early"] is not None else None,
              peak_iter=max((i for i in student if i > 0), key=lambda i: student[i]))
@@ -88,6 +90,9 @@ def read_run(full):
         v = allits(k)
         if v:
             m[f"{k}_mean"] = sum(v) / len(v)
+        late = [x[k] for x in its if x.get(k) is not None and x["iter"] > last // 2]  # the second half
+        if late:
+            m[f"{k}_late"] = sum(late) / len(late)
     return {"metrics": m, "student": student, "teacher": teacher, "windows": windows}
 
 
@@ -176,12 +181,15 @@ if __name__ == "__main__":
         with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
             dirs = dict(zip(todo, pool.map(lambda t: run_one(t[0], t[1], args.out_root), todo)))
     runs = {t: read_run(d) for t, d in dirs.items()}
-    keys = ["start", "early", "peak", "final", "early_gain", "fade", "net", "peak_iter", "teacher_start", "teacher_final",
+    keys = ["start", "gain10", "early", "peak", "final", "early_gain", "fade", "net", "peak_iter", "teacher_start", "teacher_final",
             "teacher_drop", "teacher_minus_student_final", "peer_frac_mean", "sampled_logratio_mean",
-            "sampled_logratio_ok_mean", "sampled_logratio_failed_mean"]
+            "sampled_logratio_ok_mean", "sampled_logratio_failed_mean", "peer_frac_late", "sampled_logratio_late",
+            "sampled_logratio_ok_late", "sampled_logratio_failed_late"]
     lines = [f"mean ± SE [bootstrap 95 %] over {len(seeds)} paired seeds ({','.join(map(str, seeds))})", ""]
     lines += table(arms, seeds, runs, keys)
-    cl, cout = compare(seeds, runs, ["early_gain", "fade", "net", "final", "teacher_drop", "peer_frac_mean"],
+    cl, cout = compare(seeds, runs, ["gain10", "early_gain", "fade", "net", "final", "teacher_drop", "teacher_final",
+                                     "peer_frac_mean", "peer_frac_late", "sampled_logratio_late", "sampled_logratio_ok_late",
+                                     "sampled_logratio_failed_late"],
                        [c for c in COMPARE if c[0] in arms and c[1] in arms])
     lines += ["", "paired differences (per seed); verdict only when both 95 % intervals exclude 0", ""] + cl
     lines += ["", f"student {SET} mean@4 by eval (mean ± SE over seeds)", ""] + curve_table(arms, seeds, runs, "student")
