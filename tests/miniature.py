@@ -107,6 +107,8 @@ METRICS = [
     ("first_gain", "first stage's in-domain gain"),
     ("first_reward", "first stage's mean training reward"),
     ("first_mid_acc", "first stage's domain part-way (eval_interval)"),
+    ("gain2", "second stage's in-domain gain"),
+    ("gain3", "third stage's in-domain gain"),
     ("add", "final add"), ("sub", "final sub"), ("mul", "final mul"), ("sort", "final sort"), ("rev", "final rev"),
     ("avg_final", "average final accuracy"),
     ("forgetting", "average forgetting"),
@@ -275,6 +277,7 @@ def run_metrics(out_dir, n_stages=None):
         "first_acc": rows[0][j], "first_gain": c["gain"][0], "first_reward": statistics.fmean(rewards) if rewards else None,
         "first_mid_acc": next((x[k] for x in sorted(periodic, key=lambda x: abs(2 * x["iter"] - first_iters))
                                for k in x if k.startswith("mean@")), None),  # the eval nearest the stage's middle
+        "gain2": c["gain"][1] if len(c["gain"]) > 1 else None, "gain3": c["gain"][2] if len(c["gain"]) > 2 else None,
         **{_domain(s): final[s] for s in sets},
         "avg_final": c["avg_final"], "forgetting": c["avg_forgetting"], "bwt": c["bwt"],
         "collapse": float(any(final[s] < COLLAPSE_ACC for s in earlier)) if earlier else None,
