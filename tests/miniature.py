@@ -23,8 +23,10 @@ Statistics (pure functions below, tested in tests/test_miniature_stats.py):
   verdict             "A > B" / "A < B" only when *both* 95 % intervals of the paired difference
                       exclude 0 (with 8 seeds the percentile bootstrap is the narrower of the two and
                       under-covers; the t interval guards it), else "no difference resolved"
-  collapse            a 0/1 per run (COLLAPSE below), shown as a rate k/n with a Wilson 95 % interval;
-                      its paired comparison is the same bootstrap, plus McNemar's exact p
+  collapse            a 0/1 per run (COLLAPSE_ACC below), shown as a rate k/n with a Wilson 95 % interval;
+                      its paired comparison is the same bootstrap and t interval, and its verdict also
+                      needs McNemar's exact p < 0.05 (with 8 seeds: at least 6 discordant pairs, all
+                      one way)
 Needs the toy base: python data/toy/prepare.py && python train.py config/toy_base.py
 """
 import argparse
@@ -72,11 +74,21 @@ ARMS = {
     "sdpo_mid": arm(S, ref="grpo_mid", view=("sdpo", 2)),
     "grpo_far": arm(G, DIST.format("sort"), evaluate=False),
     "sdpo_far": arm(S, DIST.format("sort"), ref="grpo_far", evaluate=False),
+    # which tokens get the teacher at the same expected fraction (vs random at that density)
+    "sdpo_d0.25_disagree": arm(S, "--density=0.25", "--density_select=disagree", ref="sdpo_d0.25"),
+    "sdpo_d0.25_last": arm(S, "--density=0.25", "--density_select=last", ref="sdpo_d0.25"),
+    "sdpo_d0.5_disagree": arm(S, "--density=0.5", "--density_select=disagree", ref="sdpo_d0.5"),
+    "sdpo_d0.5_last": arm(S, "--density=0.5", "--density_select=last", ref="sdpo_d0.5"),
+    # normalisation: the references' seq-mean (step shrinks with the fraction that has a peer) vs token-mean
+    "sdpo_seqmean": arm(S, "--distill_agg=seq-mean", ref="sdpo"),
 }
 EXPERIMENTS = {
     "main": ["grpo", "sdpo", "sdpo_d0.5", "sdpo_d0.25"],
     "teacher": ["sdpo", "sdpo_frozen", "sdpo_ema0.01", "sdpo_tr0.05", "grpo"],
     "distance": ["grpo_near", "sdpo_near", "grpo_mid", "sdpo_mid", "grpo_far", "sdpo_far"],
+    "select": ["grpo", "sdpo", "sdpo_d0.25", "sdpo_d0.25_disagree", "sdpo_d0.25_last"],
+    "select0.5": ["grpo", "sdpo", "sdpo_d0.5", "sdpo_d0.5_disagree", "sdpo_d0.5_last"],
+    "norm": ["grpo", "sdpo", "sdpo_seqmean"],
 }
 # linear contrasts over arms, per seed (metric, {arm: coefficient}): where in distance the forgetting is
 # largest, for each algorithm, and where SDPO's excess over GRPO is largest
@@ -95,6 +107,8 @@ METRICS = [
     ("first_gain", "first stage's in-domain gain"),
     ("first_reward", "first stage's mean training reward"),
     ("first_mid_acc", "first stage's domain part-way (eval_interval)"),
+    ("gain2", "second stage's in-domain gain"),
+    ("gain3", "third stage's in-domain gain"),
     ("add", "final add"), ("sub", "final sub"), ("mul", "final mul"), ("sort", "final sort"), ("rev", "final rev"),
     ("avg_final", "average final accuracy"),
     ("forgetting", "average forgetting"),
@@ -203,8 +217,8 @@ def paired_diff(a, b, level=0.95, seed=0):
 def verdict(diff, name, ref):
     """'name > ref' / 'name < ref' when both intervals of the paired difference exclude 0, else
     'no difference resolved'."""
-    lo = max(diff["ci"][0], diff["t_ci"][0])
-    hi = min(diff["ci"][1], diff["t_ci"][1])
+    lo = min(diff["ci"][0], diff["t_ci"][0])  # > 0 only when both lower bounds are
+    hi = max(diff["ci"][1], diff["t_ci"][1])
     if any(math.isnan(x) for x in (*diff["ci"], *diff["t_ci"])):
         return "no difference resolved"
     if lo > 0:
@@ -214,12 +228,12 @@ def verdict(diff, name, ref):
     return "no difference resolved"
 
 
-def summarize(values):
-    """One arm's metric over seeds: {n, mean, se, ci} (+ k and a Wilson interval for 0/1 values)."""
+def summarize(values, binary=False):
+    """One arm's metric over seeds: {n, mean, se, ci} (+ k and a Wilson interval for a 0/1 metric)."""
     xs = _clean(values)
     m, se = mean_se(xs)
     out = {"n": len(xs), "mean": m, "se": se, "ci": bootstrap_ci(xs)}
-    if xs and all(x in (0.0, 1.0) for x in xs):
+    if binary and xs:
         out.update(k=int(sum(xs)), wilson=wilson(int(sum(xs)), len(xs)))
     return out
 
@@ -263,6 +277,7 @@ def run_metrics(out_dir, n_stages=None):
         "first_acc": rows[0][j], "first_gain": c["gain"][0], "first_reward": statistics.fmean(rewards) if rewards else None,
         "first_mid_acc": next((x[k] for x in sorted(periodic, key=lambda x: abs(2 * x["iter"] - first_iters))
                                for k in x if k.startswith("mean@")), None),  # the eval nearest the stage's middle
+        "gain2": c["gain"][1] if len(c["gain"]) > 1 else None, "gain3": c["gain"][2] if len(c["gain"]) > 2 else None,
         **{_domain(s): final[s] for s in sets},
         "avg_final": c["avg_final"], "forgetting": c["avg_forgetting"], "bwt": c["bwt"],
         "collapse": float(any(final[s] < COLLAPSE_ACC for s in earlier)) if earlier else None,
@@ -344,7 +359,7 @@ def report(arms, seeds, per_run, ref_override=None):
     """Tables (markdown lines) and a JSON-able summary for `arms` over `seeds`."""
     metrics = [(k, label) for k, label in METRICS
                if any(per_run[(a, s)].get(k) is not None for a in arms for s in seeds)]
-    summary = {a: {k: summarize([per_run[(a, s)].get(k) for s in seeds]) for k, _ in metrics} for a in arms}
+    summary = {a: {k: summarize([per_run[(a, s)].get(k) for s in seeds], k in BINARY) for k, _ in metrics} for a in arms}
     digits = {k: (4 if k in ("response_mmd2", "param_drift", "param_spectral") else 3) for k, _ in metrics}
     lines = [f"mean ± SE [bootstrap 95 %] over {len(seeds)} paired seeds ({','.join(map(str, seeds))}); "
              "collapse: count/n [Wilson 95 %]", "",
@@ -363,8 +378,10 @@ def report(arms, seeds, per_run, ref_override=None):
             if dd["n"] == 0:
                 continue
             row = {"arm": a, "ref": ref, "metric": k, **dd, "verdict": verdict(dd, a, ref)}
-            if k in BINARY:
+            if k in BINARY:  # 0/1 outcomes: the intervals of a mean of 8 zeros and ones are too optimistic
                 row["mcnemar_p"] = mcnemar_exact([v == 1.0 for v in x], [v == 1.0 for v in y])
+                if row["mcnemar_p"] >= 0.05:
+                    row["verdict"] = "no difference resolved"
             comparisons.append(row)
     if comparisons:
         lines += ["", "paired difference (arm − reference, per seed): mean ± SE [bootstrap 95 %] [t 95 %]; verdict only "

@@ -52,6 +52,9 @@ def test_paired_diff_uses_pairs_and_verdict_needs_both_intervals():
     # the same means unpaired would not separate (seed spread 0.06 >> 0.05), but pairing removes it
     noisy = mini.paired_diff([0.1, 0.5, 0.2, 0.6], [0.5, 0.1, 0.6, 0.2])
     assert mini.verdict(noisy, "x", "y") == "no difference resolved"
+    # one interval excluding 0 is not enough
+    assert mini.verdict({"ci": (0.01, 0.1), "t_ci": (-0.02, 0.13)}, "x", "y") == "no difference resolved"
+    assert mini.verdict({"ci": (-0.1, -0.01), "t_ci": (-0.13, 0.02)}, "x", "y") == "no difference resolved"
     # pairs with a missing side are dropped
     assert mini.paired_diff([1.0, None, 3.0], [0.0, 1.0, None])["n"] == 1
 
@@ -63,8 +66,9 @@ def test_mcnemar_exact():
 
 
 def test_summarize_binary_gets_a_wilson_rate_and_report_has_a_verdict_column():
-    s = mini.summarize([1.0, 0.0, 0.0, 1.0])
+    s = mini.summarize([1.0, 0.0, 0.0, 1.0], binary=True)
     assert s["k"] == 2 and s["n"] == 4 and "wilson" in s
+    assert "wilson" not in mini.summarize([0.0, 0.0, 1.0])  # a rate that happens to be 0 or 1 is not a count
     seeds = [1, 2, 3, 4, 5, 6]
     per_run = {}
     for s_ in seeds:
@@ -73,6 +77,8 @@ def test_summarize_binary_gets_a_wilson_rate_and_report_has_a_verdict_column():
     lines, out = mini.report(["grpo", "sdpo"], seeds, per_run)
     text = "\n".join(lines)
     assert "sdpo < grpo" in text and "2/6" in text and "McNemar" in text
+    # 2 collapses vs 0 in 6 pairs: McNemar p = 0.5, so no verdict on collapse
+    assert next(c for c in out["comparisons"] if c["metric"] == "collapse")["verdict"] == "no difference resolved"
     assert {c["metric"] for c in out["comparisons"]} == {"avg_final", "collapse"}
 
 
