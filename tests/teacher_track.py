@@ -1,9 +1,9 @@
 """The teacher's own accuracy over a continual run: for each SDPO run folder, the teacher reading each
 eval prompt with the reference solution as its demonstration (log.jsonl eval records,
-eval/<set>/teacher_mean@n, written by this branch's train.py) at the start and after every stage,
+eval/<set>/teacher_mean@n, written by train.py) at the start and after every stage,
 beside the student's mean@n; mean ± SE over seeds per arm.
 
-    python tests/teacher_track.py --root=out/mini2 --arms=sdpo_d0.25_disagree,sdpo_d0.25_last,sdpo_seqmean --seeds=1-8
+    python tests/teacher_track.py --root=out/miniature --arms=sdpo_d0.25_disagree,sdpo_d0.25_last,sdpo_seqmean --seeds=1-8
 """
 import argparse
 import json
