@@ -21,7 +21,7 @@ def evals(run):
 
 if __name__ == "__main__":
     p = argparse.ArgumentParser()
-    p.add_argument("--root", default="out/mini2")
+    p.add_argument("--root", default="out/miniature")
     p.add_argument("--arms", required=True)
     p.add_argument("--seeds", default="1-8")
     p.add_argument("--sets", default="add,mul,sort,rev")
