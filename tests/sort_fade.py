@@ -108,32 +108,30 @@ def table(arms, seeds, runs, keys):
     return lines
 
 
-def curve_table(arms, seeds, runs, field):
-    iters = sorted(runs[(arms[0], seeds[0])][field])
-    lines = ["| arm | " + " | ".join(f"it {i}" for i in iters) + " |", "|---|" + "---|" * len(iters)]
+def means_table(arms, seeds, runs, columns, headers, value):
+    """One row per arm, one column per entry of columns: mean ± SE over seeds of value(run, column);
+    arms whose first column is missing (value None) are left out."""
+    lines = ["| arm | " + " | ".join(headers) + " |", "|---|" + "---|" * len(columns)]
     for a in arms:
-        if runs[(a, seeds[0])][field][iters[0]] is None:
+        if value(runs[(a, seeds[0])], columns[0]) is None:
             continue
         row = []
-        for i in iters:
-            m, se = mini.mean_se([runs[(a, s)][field].get(i) for s in seeds])
+        for c in columns:
+            m, se = mini.mean_se([value(runs[(a, s)], c) for s in seeds])
             row.append(f"{mini._f(m)} ± {mini._f(se)}")
         lines.append(f"| {a} | " + " | ".join(row) + " |")
     return lines
+
+
+def curve_table(arms, seeds, runs, field):
+    iters = sorted(runs[(arms[0], seeds[0])][field])
+    return means_table(arms, seeds, runs, iters, [f"it {i}" for i in iters], lambda r, i: r[field].get(i))
 
 
 def window_table(arms, seeds, runs, key):
     ws = sorted(runs[(arms[0], seeds[0])]["windows"].get("reward", {}))
-    lines = ["| arm | " + " | ".join(f"it {w * WINDOW + 1}-{(w + 1) * WINDOW}" for w in ws) + " |", "|---|" + "---|" * len(ws)]
-    for a in arms:
-        if key not in runs[(a, seeds[0])]["windows"]:
-            continue
-        row = []
-        for w in ws:
-            m, se = mini.mean_se([runs[(a, s)]["windows"][key].get(w) for s in seeds])
-            row.append(f"{mini._f(m)} ± {mini._f(se)}")
-        lines.append(f"| {a} | " + " | ".join(row) + " |")
-    return lines
+    return means_table(arms, seeds, runs, ws, [f"it {w * WINDOW + 1}-{(w + 1) * WINDOW}" for w in ws],
+                       lambda r, w: r["windows"].get(key, {}).get(w))
 
 
 def per_seed(arms, seeds, runs, field):
