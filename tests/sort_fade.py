@@ -8,8 +8,8 @@ with one arm per suspect:
     sdpo_seqmean   --distill_agg=seq-mean: the step shrinks with the fraction of responses that have a peer
     grpo           the reward-only baseline
 
-    python tests/sort_fade.py --seeds=1-4 --jobs=2                 # run (or read) and report
-    python tests/sort_fade.py --seeds=1-4 --no_run                 # only read finished runs
+    python tests/sort_fade.py --seeds=1-8 --jobs=2                 # run (or read) and report
+    python tests/sort_fade.py --seeds=1-8 --no_run                 # only read finished runs
 
 Each run is `train.py <config> --eval_interval=10 --stop_on_collapse=False --seed=S
 --out_dir=out/fade/<arm>_s<S>` at one torch thread (the miniature's statistics and verdict rule:
@@ -166,7 +166,7 @@ def compare(seeds, runs, keys, pairs=COMPARE):
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--arms", default=",".join(ARMS))
-    p.add_argument("--seeds", default="1-4")
+    p.add_argument("--seeds", default="1-8")
     p.add_argument("--jobs", type=int, default=2)
     p.add_argument("--out_root", default="out/fade")
     p.add_argument("--no_run", action="store_true")
