@@ -266,7 +266,8 @@ def run_metrics(out_dir, n_stages=None):
             log = [json.loads(line) for line in f]
     rewards = [x["reward"] for x in log if x.get("stage") == first and "reward" in x]
     first_iters = max([x["iter"] for x in log if x.get("stage") == first and "reward" in x] or [0])
-    periodic = [x for x in log if x.get("eval") == first and x.get("tag") == "periodic" and x["iter"] <= first_iters]
+    mid_key = f"eval/{first}/mean@"  # train.run_eval's record: {"iter", "eval_tag", "eval/<set>/mean@n", ...}
+    periodic = [x for x in log if x.get("eval_tag") == "periodic" and x["iter"] <= first_iters]
     mmd = [v["mmd2"] for v in d["response"].values() if v.get("mmd2") is not None] if d else []
     leak = [v["model"]["foreign_format"] for v in d["artifacts"].values()] if d else []
     empty = [v["model"]["empty_answer"] for v in d["artifacts"].values()] if d else []
@@ -276,7 +277,7 @@ def run_metrics(out_dir, n_stages=None):
     out = {
         "first_acc": rows[0][j], "first_gain": c["gain"][0], "first_reward": statistics.fmean(rewards) if rewards else None,
         "first_mid_acc": next((x[k] for x in sorted(periodic, key=lambda x: abs(2 * x["iter"] - first_iters))
-                               for k in x if k.startswith("mean@")), None),  # the eval nearest the stage's middle
+                               for k in x if k.startswith(mid_key)), None),  # the eval nearest the stage's middle
         "gain2": c["gain"][1] if len(c["gain"]) > 1 else None, "gain3": c["gain"][2] if len(c["gain"]) > 2 else None,
         **{_domain(s): final[s] for s in sets},
         "avg_final": c["avg_final"], "forgetting": c["avg_forgetting"], "bwt": c["bwt"],
@@ -435,7 +436,7 @@ def per_seed_table(arms, seeds, per_run, keys=("first_acc", "avg_final", "forget
 
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--experiment", default="main", help="one of " + ", ".join(EXPERIMENTS) + " (ignored with --arms)")
+    p.add_argument("--experiment", default="main", choices=list(EXPERIMENTS), help="ignored with --arms")
     p.add_argument("--arms", default="", help="comma list of ARMS names (default: the experiment's)")
     p.add_argument("--seeds", default="1-8", help="'1-8', '1,2,3'")
     p.add_argument("--jobs", type=int, default=2, help="runs at a time (each at one torch thread)")
@@ -453,6 +454,9 @@ if __name__ == "__main__":
     if args.no_run:
         dirs = {(a, s): ((run_dir(ARMS[a]["view"][0], s, args.out_root), ARMS[a]["view"][1]) if ARMS[a]["view"]
                          else (run_dir(a, s, args.out_root), None)) for a, s in todo}
+        missing = sorted({d for d, _ in dirs.values() if not os.path.exists(os.path.join(ROOT, d, "accuracy_matrix.json"))})
+        if missing:
+            sys.exit(f"--no_run: no finished run in {', '.join(missing)}; run without --no_run first")
     else:  # views last: their source runs are then done or running
         order = sorted(todo, key=lambda t: bool(ARMS[t[0]]["view"]))
         with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:

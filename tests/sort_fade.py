@@ -102,7 +102,6 @@ def table(arms, seeds, runs, keys):
         cells = []
         for a in arms:
             s = mini.summarize([runs[(a, sd)]["metrics"].get(k) for sd in seeds])
-            s.pop("wilson", None)  # a 0/1-valued column is still a mean here
             cells.append(mini.cell(s))
         lines.append(f"| {k} | " + " | ".join(cells) + " |")
     return lines
@@ -172,9 +171,14 @@ if __name__ == "__main__":
     p.add_argument("--no_run", action="store_true")
     args = p.parse_args()
     arms, seeds = args.arms.split(","), mini.parse_seeds(args.seeds)
+    if [a for a in arms if a not in ARMS]:
+        sys.exit(f"unknown arms {[a for a in arms if a not in ARMS]}; known: {', '.join(ARMS)}")
     todo = [(a, s) for s in seeds for a in arms]
     if args.no_run:
         dirs = {t: os.path.join(ROOT, args.out_root, f"{t[0]}_s{t[1]}") for t in todo}
+        missing = sorted(d for d in dirs.values() if not os.path.exists(os.path.join(d, "log.jsonl")))
+        if missing:
+            sys.exit(f"--no_run: no run in {', '.join(missing)}; run without --no_run first")
     else:
         with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
             dirs = dict(zip(todo, pool.map(lambda t: run_one(t[0], t[1], args.out_root), todo)))

@@ -92,7 +92,6 @@ if __name__ == "__main__":
             cells = []
             for a in arms:
                 s = mini.summarize([res[(a, sd)].get(part, {}).get(k) for sd in seeds])
-                s.pop("wilson", None)
                 cells.append(mini.cell(s, 4))
             print(f"| {k} | " + " | ".join(cells) + " |")
         print(f"\npaired difference (arm − {args.ref}): mean ± SE [bootstrap 95 %] [t 95 %]\n")
