@@ -20,7 +20,7 @@ max_new_tokens = 4096
 max_reprompt_len = 10240
 # the references' normalisation: each response's token mean, averaged over all responses
 distill_agg = "seq-mean"
-# memory: decode 32 rows at a time, recompute blocks in the backward (~116 GB estimated)
+# memory: decode 32 rows at a time, recompute blocks in the backward (~115 GB estimated)
 gen_batch_size = 32
 grad_checkpointing = True
 micro_batch_size = 8

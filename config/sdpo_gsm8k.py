@@ -4,7 +4,7 @@
 # alpha 0.5, top-100 + tail, IS clip 2. Also defaults: 100 iterations, an eval every 25, and the
 # eval set is the training set's test split (gsm8k/test.jsonl). Same run, GRPO: grpo_gsm8k.py.
 #   python data/gsm8k/prepare.py && python train.py config/sdpo_gsm8k.py
-# A 24 GB GPU: Qwen3-0.6B, decoding and training fewer rows at once (estimate: 19.6 GB peak):
+# A 24 GB GPU: Qwen3-0.6B, decoding and training fewer rows at once (estimate: 18.6 GB peak):
 #   python train.py config/sdpo_gsm8k.py --init_from=Qwen/Qwen3-0.6B --gen_batch_size=32 --micro_batch_size=8 --out_dir=out/sdpo_gsm8k_0.6b
 # this run: SDPO on gsm8k's train split
 out_dir = "out/sdpo_gsm8k"

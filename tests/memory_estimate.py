@@ -61,7 +61,6 @@ ARCH = {  # from each model's config.json on the hub
 }
 VOCAB = 151936
 GB = 1e9
-CUDA_LOSS_CHUNK = 1024  # the fused loss's chunk on CUDA
 BUCKET = 2 ** 24  # fp32 elements in one gradient all-reduce bucket (64 MiB)
 TEMPLATE_TOKENS = 64  # chat template + reprompt / solution templates around the demonstration
 SLACK = 0.9  # the fraction of a GPU the estimate may fill (CUDA context, fragmentation)
@@ -132,7 +131,7 @@ def estimate(cfg, model, world_size=1, prompt_tokens=512, teacher_prompt_tokens=
         acts = [("activations", f"student: every block's activations (approx., no grad_checkpointing), {micro} rows x {seq}",
                  micro * seq * block * L)]
     if cfg["fused_loss"]:
-        chunk = min(max(cfg["loss_chunk"], CUDA_LOSS_CHUNK), resp_tokens)
+        chunk = min(train.loss_chunk_size(cfg, torch.device("cuda")), resp_tokens)
         loss = [("fused_loss", f"fused loss: 3 x [{chunk}, {VOCAB}] fp32 + LM head bf16 copy + fp32 grad accumulator",
                  3 * chunk * VOCAB * 4 + VOCAB * H * (2 + 4))]
     else:
