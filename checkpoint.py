@@ -159,7 +159,11 @@ def save(ckpt_dir, *, model, tokenizer, optimizer, teacher_model, state, rng_ten
     shutil.rmtree(tmp, ignore_errors=True)
     dtype, weights, cast = getattr(torch, save_dtype), None, {}
     if dtype != torch.float32:  # cast each tensor once, so tied weights (embedding = LM head) stay one
-        weights = {k: cast.setdefault(v.data_ptr(), v.to(dtype)) for k, v in model.state_dict().items()}
+        weights = {}
+        for k, v in model.state_dict().items():
+            if v.data_ptr() not in cast:
+                cast[v.data_ptr()] = v.to(dtype)
+            weights[k] = cast[v.data_ptr()]
     model.save_pretrained(tmp, state_dict=weights)
     if weights is not None:  # the exported config says so, so from_pretrained loads it in that dtype
         _set_config_dtype(os.path.join(tmp, "config.json"), save_dtype)

@@ -479,7 +479,7 @@ def build_batch(tasks, model, tokenizer, cfg, generator, dev, *, autocast=contex
         return Batch(prompt_ids=prompts, response_ids=responses, old_logprobs=[torch.zeros(n) for n in lengths],
                      truncated=[False] * len(tasks), advantages=[0.0] * len(tasks),
                      teacher_prompt_ids=[None] * len(tasks), pg_weight=[torch.full((n,), 1.0 / total) for n in lengths],
-                     distill_weight=[torch.zeros(n) for n in lengths]), {"tokens": total}
+                     distill_weight=[torch.zeros(n) for n in lengths]), {"tokens": sum(lengths)}
     G = cfg["group_size"]
     t0 = time.time()
     with autocast():
@@ -1063,18 +1063,17 @@ def select_by_divergence(h, weight, tokens, teacher, distill_weight, *, lengths,
     """density_select='disagree': each response keeps its number of distilled tokens, moved to the
     tokens where the divergence to the teacher is largest (one no-grad pass of the token loss)."""
     starts = [0, *itertools.accumulate(lengths)]
-    has_teacher = torch.cat([torch.full((n,), bool(distill_weight[a:a + n].any()), device=h.device)
-                             for a, n in zip(starts, lengths)])
-    with torch.no_grad():
-        _, stats = token_loss(h.detach(), weight, tokens, lambda logp, div, t_logp, rows: logp.sum(), teacher=teacher,
-                              div_rows=has_teacher, alpha=cfg["alpha"], distill=cfg["distill"], topk=cfg["topk"],
-                              tail=cfg["tail"], temperature=cfg["temperature"], **options)
+    weights = distill_weight.cpu()  # counts and flags from one host copy, not a sync per response
+    counts = [int((weights[a:a + n] > 0).sum()) for a, n in zip(starts, lengths)]
+    has_teacher = torch.cat([torch.full((n,), k > 0) for n, k in zip(lengths, counts)]).to(h.device)
+    with torch.no_grad():  # detached weight: the fused loss then builds no weight gradient
+        _, stats = token_loss(h.detach(), weight.detach(), tokens, lambda logp, div, t_logp, rows: logp.sum(),
+                              teacher=teacher, div_rows=has_teacher, alpha=cfg["alpha"], distill=cfg["distill"],
+                              topk=cfg["topk"], tail=cfg["tail"], temperature=cfg["temperature"], **options)
     selected = torch.zeros_like(distill_weight)
-    for a, n in zip(starts, lengths):
-        w = distill_weight[a:a + n]
-        k = int((w > 0).sum())
+    for a, n, k in zip(starts, lengths, counts):
         if k:
-            selected[a + stats["div"][a:a + n].abs().topk(k).indices] = w.max()
+            selected[a + stats["div"][a:a + n].abs().topk(k).indices] = float(weights[a:a + n].max())
     return selected
 
 
@@ -1082,18 +1081,18 @@ def loss_chunk_size(cfg, dev):
     return cfg["loss_chunk"] or (128 if dev.type == "cpu" else 512)
 
 
-def loss_backward(model, batch, cfg, dev, *, teacher_model=None, initial_model=None, amp=None):
+def loss_backward(model, batch, cfg, dev, *, teacher_model=None, initial_model=None):
     """Forward + backward over the sequences of one optimizer step, in micro-batches.
 
     batch: a Batch with its loss weights set (build_batch). Sequences with no weight anywhere are
-    skipped. amp: the autocast dtype (bf16 on CUDA) or None. Returns the loss, the phase times and
-    the token diagnostics (metrics.TOKEN_SUMS), summed."""
-    autocast = functools.partial(torch.autocast, dev.type, dtype=amp) if amp else contextlib.nullcontext
+    skipped. Returns the loss, the phase times and the token diagnostics (metrics.TOKEN_SUMS), summed."""
+    amp, autocast = amp_dtype(dev, cfg["dtype"]), make_autocast(dev, cfg["dtype"])
     in_loss = [i for i, (p, d) in enumerate(zip(batch.pg_weight, batch.distill_weight)) if p.any() or d.any()]
     in_loss.sort(key=lambda i: len(batch.prompt_ids[i]) + len(batch.response_ids[i]), reverse=True)  # less padding
     sums = dict.fromkeys(("loss", "ratio_max", "reference_s", "teacher_s", "student_s") + metrics.TOKEN_SUMS, 0.0)
     token_loss = fused_token_loss if cfg["fused_loss"] else naive_token_loss
-    options = dict(chunk_size=loss_chunk_size(cfg, dev), matmul_dtype=amp) if cfg["fused_loss"] else {}
+    chunk = loss_chunk_size(cfg, dev)
+    options = dict(chunk_size=chunk, matmul_dtype=amp) if cfg["fused_loss"] else {}
     temperature = 1.0 if cfg["algo"] == "sft" else cfg["temperature"]
     for start in range(0, len(in_loss), cfg["micro_batch_size"]):
         mb = batch.take(in_loss[start:start + cfg["micro_batch_size"]])
@@ -1107,8 +1106,7 @@ def loss_backward(model, batch, cfg, dev, *, teacher_model=None, initial_model=N
                 with torch.no_grad():
                     w0, s0 = lm_head(initial_model)
                     h0 = response_hidden(initial_model, mb.prompt_ids, mb.response_ids, dev)
-                    ref_logp = sampled_logprobs(h0 * s0 if s0 != 1 else h0, w0, tokens, cfg["temperature"],
-                                                loss_chunk_size(cfg, dev), amp)
+                    ref_logp = sampled_logprobs(h0 * s0 if s0 != 1 else h0, w0, tokens, cfg["temperature"], chunk, amp)
             t1 = time.time()
             if cfg["algo"] == "sdpo" and div_rows.any():  # teacher forwards only for responses with a signal
                 prompts = [t if w.any() else None for t, w in zip(mb.teacher_prompt_ids, mb.distill_weight)]
@@ -1123,8 +1121,9 @@ def loss_backward(model, batch, cfg, dev, *, teacher_model=None, initial_model=N
             distill_weight = select_by_divergence(h, weight, tokens, teacher, distill_weight, lengths=lengths, cfg=cfg,
                                                   token_loss=token_loss, options=options)
             div_rows = distill_weight > 0
+        old_logp = torch.cat(mb.old_logprobs).to(dev)
         loss_fn = make_loss_fn(
-            algo=cfg["algo"], old_logp=torch.cat(mb.old_logprobs).to(dev), ref_logp=ref_logp,
+            algo=cfg["algo"], old_logp=old_logp, ref_logp=ref_logp,
             advantage=torch.cat([torch.full((n,), float(a)) for n, a in zip(lengths, mb.advantages)]).to(dev),
             pg_weight=torch.cat(mb.pg_weight).to(dev), distill_weight=distill_weight, clip_low=cfg["clip_low"],
             clip_high=cfg["clip_high"], kl_coef=cfg["kl_coef"], is_clip=cfg["is_clip"], distill=cfg["distill"])
@@ -1134,8 +1133,7 @@ def loss_backward(model, batch, cfg, dev, *, teacher_model=None, initial_model=N
         loss.backward()
         success = None if mb.rewards is None else torch.cat(
             [torch.full((n,), r >= cfg["success_threshold"]) for n, r in zip(lengths, mb.rewards)]).to(dev)
-        diagnostics = metrics.token_sums(stats, torch.cat(mb.old_logprobs).to(dev), div_rows, success, cfg["clip_low"],
-                                         cfg["clip_high"])
+        diagnostics = metrics.token_sums(stats, old_logp, div_rows, success, cfg["clip_low"], cfg["clip_high"])
         values = torch.stack(diagnostics + [loss.detach().float()]).tolist()  # one host sync per micro-batch
         for k, v in zip(metrics.TOKEN_SUMS + ("ratio_max", "loss"), values):
             sums[k] = max(sums[k], v) if k == "ratio_max" else sums[k] + v
@@ -1295,8 +1293,7 @@ def setup(cfg, ddp, stack):
         log.wandb = wandb.init(project=cfg["wandb_project"], name=cfg["wandb_run_name"], config=cfg)
     return dict(stages=stages, eval_names=eval_names, train_tasks=train_tasks, eval_tasks=eval_tasks, log=log,
                 ckpt_dir=ckpt_dir, state=state, model=model, tokenizer=tokenizer, initial_model=initial_model,
-                teacher_model=teacher_model, optimizer=optimizer, generator=generator, data_rng=data_rng,
-                amp=amp_dtype(dev, cfg["dtype"]))
+                teacher_model=teacher_model, optimizer=optimizer, generator=generator, data_rng=data_rng)
 
 
 def fit_prompts(train_tasks, eval_tasks, model, tokenizer, cfg, log):
@@ -1326,8 +1323,10 @@ def run_eval(run, cfg, ddp, tag):
         acc, state["eval_len"][name] = score_set(run, cfg, ddp, run["model"], tasks, generators[0])
         row[name] = acc[f"mean@{n}"]
         record.update({f"eval/{name}/{k}": v for k, v in acc.items()}, **{f"eval/{name}/mean_len": state["eval_len"][name]})
+        if cfg["algo"] != "sdpo" or teacher is None:
+            continue
         demos = [dict(t, messages=teacher_messages(t["messages"], t["solution"], None, cfg)) for t in tasks if t.get("solution")]
-        if cfg["algo"] == "sdpo" and teacher is not None and demos:
+        if demos:
             record[f"eval/{name}/teacher_mean@{n}"] = score_set(run, cfg, ddp, teacher, demos, generators[1])[0][f"mean@{n}"]
     run["log"].record(record)
     run["log"].say(f"eval @ iter {state['iter']} ({tag}): " + ", ".join(f"{k} mean@{n} {v:.3f}" for k, v in row.items()))
@@ -1354,8 +1353,8 @@ def save_checkpoint(run, cfg, ddp):
     after a healthy eval at this iteration, ckpt_good/ becomes this checkpoint too."""
     model, state = run["model"], run["state"]
     # ranks must hold identical weights (same init, same all-reduced steps): check cheaply
-    sums = ddp.gather(sum(p.detach().double().sum().item() for p in model.parameters()))
     if ddp.world > 1:
+        sums = ddp.gather(sum(p.detach().sum(dtype=torch.float64).item() for p in model.parameters()))
         run["log"].record({"iter": state["iter"], "rank_param_sums": sums})
         if len(set(sums)) > 1:
             raise UserError(f"ranks diverged: parameter sums {sums}")
@@ -1447,7 +1446,7 @@ def train_loop(run, cfg, ddp):
             t1 = time.time()
             # student (and teacher) forward and backward, in micro-batches; a diverging loss stops the run
             loss_metrics = loss_backward(model, batch, cfg, dev, teacher_model=run["teacher_model"],
-                                         initial_model=run["initial_model"], amp=run["amp"])
+                                         initial_model=run["initial_model"])
             check_step(loss_metrics["loss"], state, cfg["stop_on_collapse"])
             ddp.all_reduce_grads(model)
             t2 = time.time()

@@ -69,7 +69,7 @@ class Runner:
 
     def __init__(self, algo, base, tokenizer, cfg, dev):
         self.algo, self.tokenizer, self.dev = algo, tokenizer, dev
-        self.autocast, self.amp = models.make_autocast(dev, cfg["dtype"]), models.amp_dtype(dev, cfg["dtype"])
+        self.autocast = models.make_autocast(dev, cfg["dtype"])
         self.cfg = dict(cfg, algo=algo)
         train.check_config(self.cfg)
         self.model = copy.deepcopy(base).train()
@@ -94,8 +94,7 @@ class Runner:
                      total_iters=cfg["max_iters"], decay_lr=cfg["decay_lr"], min_lr=cfg["min_lr"])
         batch, metrics = train.build_batch(tasks, model, self.tokenizer, cfg, generator, self.dev, autocast=self.autocast)
         t1 = clock(self.dev)
-        m = train.loss_backward(model, batch, cfg, self.dev, teacher_model=self.teacher, initial_model=self.initial,
-                                amp=self.amp)
+        m = train.loss_backward(model, batch, cfg, self.dev, teacher_model=self.teacher, initial_model=self.initial)
         t2 = clock(self.dev)
         train.optimizer_step(model, self.optimizer, cfg["grad_clip"])
         t3 = clock(self.dev)
