@@ -257,7 +257,7 @@ def subspace_similarity(a, b):
 
 
 @torch.no_grad()
-def spectral_drift(state, state0, k=0):
+def spectral_drift(state, state0, k=0, base_cache=None):
     """How far training rotated and rescaled the principal directions of each weight matrix
     (θ = state, θ0 = state0), after "The Path Not Taken" (arXiv 2511.08567): RL updates leave the
     top singular subspaces and spectrum of the base weights nearly intact, SFT rotates and
@@ -290,14 +290,17 @@ def spectral_drift(state, state0, k=0):
     per 2560 x 9728 decomposition on one thread (torch.linalg.svd: ~50 s), so ~1.5 h on one thread
     or perhaps 15-30 min on 16 cores for every model compared (the final model and each stage
     snapshot; an estimate, not measured; eigh does not scale linearly with cores); spectral_k = -1
-    in eval.py skips it."""
-    sums, ks = {}, {}
+    in eval.py skips it. base_cache: a dict kept across calls against the same state0, so the base's
+    decompositions are computed once for the final model and every stage snapshot."""
+    sums, ks, cache = {}, {}, {} if base_cache is None else base_cache
     for name, t, t0 in paired_tensors(state, state0):
         kind = module_type(name)
         if t0.dim() != 2 or kind == "embed" or not t0.any():
             continue
         kk = spectral_k_for(t0.shape, k)
-        s0, u0, v0 = top_singular(t0, kk)
+        if (name, kk) not in cache:
+            cache[(name, kk)] = top_singular(t0, kk)
+        s0, u0, v0 = cache[(name, kk)]
         s, u, v = top_singular(t, kk)
         values = (*subspace_similarity(u0, u), *subspace_similarity(v0, v))
         row = dict(zip(("nss_left", "max_angle_left", "nss_right", "max_angle_right"), values),
@@ -588,7 +591,8 @@ def drift_of(model_, tokenizer, base, drift_sets, cfg, dev, autocast):
     """Parameter and spectral drift, response drift and artifacts (on the drift responses) of one model vs the base."""
     texts = drift_responses(model_, tokenizer, drift_sets, cfg, autocast) if drift_sets else {}
     out_ = {"param": param_drift(model_.state_dict(), base["state"]) if base else None,
-            "spectral": spectral_drift(model_.state_dict(), base["state"], cfg["spectral_k"])
+            "spectral": spectral_drift(model_.state_dict(), base["state"], cfg["spectral_k"],
+                                       base_cache=base.setdefault("spectral_cache", {}))
             if base and cfg["spectral_k"] >= 0 else None,
             "response": response_drift(texts, base, drift_sets, dev, cfg, autocast) if base and drift_sets else {},
             "artifacts": {name: artifacts_of(tokenizer, tasks, [[t] for t in texts[name]])

@@ -42,9 +42,12 @@ def load(folder):
     return load_file(os.path.join(folder, "model.safetensors"))
 
 
+BASE_SPECTRA = {}  # the one base's decompositions (--base), shared by every run and snapshot
+
+
 def drift(state, state0):
     p = ev.param_drift(state, state0)
-    s = ev.spectral_drift(state, state0)
+    s = ev.spectral_drift(state, state0, base_cache=BASE_SPECTRA)
     out = {"param_drift": p["overall"], **{f"param_{m}": v for m, v in p["by_module"].items()}}
     for group, g in [("", s["overall"])] + [(m + "_", v) for m, v in s["by_module"].items()]:
         out[group + "nss"] = (g["nss_left"] + g["nss_right"]) / 2

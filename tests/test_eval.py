@@ -219,6 +219,16 @@ def test_spectral_drift_rescaling_keeps_directions_but_doubles_the_spectrum():
     assert o["sv_change"] == pytest.approx(1.0, abs=1e-9)  # every top-k singular value doubled: +100 %
 
 
+def test_spectral_drift_reuses_the_bases_decompositions_without_changing_a_number():
+    g = torch.Generator().manual_seed(1)
+    state0 = {f"model.layers.{i}.mlp.up_proj.weight": torch.randn(24, 16, generator=g) for i in range(2)}
+    models = [{n: w + 0.1 * torch.randn(w.shape, generator=g) for n, w in state0.items()} for _ in range(2)]
+    cache = {}
+    cached = [ev.spectral_drift(m, state0, k=4, base_cache=cache) for m in models]
+    assert sorted(cache) == [(n, 4) for n in sorted(state0)]  # one decomposition per base matrix
+    assert cached == [ev.spectral_drift(m, state0, k=4) for m in models]
+
+
 def test_spectral_drift_random_replacement_is_near_k_over_n():
     # W = Q diag(σ0) Pᵀ with fresh Haar-random Q, P: same spectrum, top-k subspaces uniformly random,
     # so E ‖U0ᵀU‖_F² / k = k / n
