@@ -129,13 +129,15 @@ def _last_tag(text, tag="answer"):
 
 # --- math ----------------------------------------------------------------------------------------
 
-def check_math(response, answer):
+def check_math(response, answer, equal=None):
+    """The last \\boxed{} of the response against the reference; equal(pred, answer) decides
+    (default math_equal)."""
     pred, status = _last_boxed(response)
     if status == "unclosed":
         return 0.0, TRUNCATED_FEEDBACK
     if not pred or not pred.strip():
         return 0.0, "No final answer found: put it in \\boxed{}."
-    if math_equal(pred, answer):
+    if (equal or math_equal)(pred, answer):
         return 1.0, None
     return 0.0, f"Your final answer {_clip_text(pred)} is wrong."
 
@@ -145,14 +147,15 @@ def check_math_verify(response, answer):
     install math-verify): the same final answer (the last \\boxed{}) and the same feedback, but both
     sides parsed to sympy. Slower (milliseconds, not microseconds) and stricter on some formats."""
     from math_verify import parse, verify  # optional: imported only when asked for
-    pred, status = _last_boxed(response)
-    if status == "unclosed":
-        return 0.0, TRUNCATED_FEEDBACK
-    if not pred or not pred.strip():
-        return 0.0, "No final answer found: put it in \\boxed{}."
-    if verify(parse(f"\\boxed{{{answer}}}"), parse(f"\\boxed{{{pred}}}")):
-        return 1.0, None
-    return 0.0, f"Your final answer {_clip_text(pred)} is wrong."
+    return check_math(response, answer, equal=lambda pred, ref: verify(_math_verify_reference(ref),
+                                                                       parse(f"\\boxed{{{pred}}}")))
+
+
+@functools.lru_cache(maxsize=1024)
+def _math_verify_reference(answer):
+    """math-verify's parse of the reference, once per answer (a group's responses share it)."""
+    from math_verify import parse
+    return parse(f"\\boxed{{{answer}}}")
 
 
 _REWRITES = {"\u2212": "-", "\u2013": "-", "\u03c0": "\\pi", "\u221a": "\\sqrt", "\u00d7": "\\times",
