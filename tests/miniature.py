@@ -356,6 +356,12 @@ def cell(s, digits=3):
     return f"{_f(s['mean'], digits)} ± {_f(s['se'], digits)} [{_f(s['ci'][0], digits)}, {_f(s['ci'][1], digits)}]"
 
 
+def diff_cell(d, digits=3):
+    """A paired difference: mean ± SE [bootstrap 95 %] [t 95 %]."""
+    return (f"{_f(d['mean'], digits)} ± {_f(d['se'], digits)} [{_f(d['ci'][0], digits)}, {_f(d['ci'][1], digits)}] "
+            f"[{_f(d['t_ci'][0], digits)}, {_f(d['t_ci'][1], digits)}]")
+
+
 def report(arms, seeds, per_run, ref_override=None):
     """Tables (markdown lines) and a JSON-able summary for `arms` over `seeds`."""
     metrics = [(k, label) for k, label in METRICS
@@ -392,9 +398,7 @@ def report(arms, seeds, per_run, ref_override=None):
         for row in comparisons:
             dg = digits[row["metric"]]
             extra = f"; McNemar p {row['mcnemar_p']:.3f}" if "mcnemar_p" in row else ""
-            lines.append(f"| {row['arm']} − {row['ref']} | {labels[row['metric']]} | {_f(row['mean'], dg)} ± {_f(row['se'], dg)} "
-                         f"[{_f(row['ci'][0], dg)}, {_f(row['ci'][1], dg)}] [{_f(row['t_ci'][0], dg)}, {_f(row['t_ci'][1], dg)}]"
-                         f"{extra} | {row['verdict']} |")
+            lines.append(f"| {row['arm']} − {row['ref']} | {labels[row['metric']]} | {diff_cell(row, dg)}{extra} | {row['verdict']} |")
     return lines, {"summary": summary, "comparisons": comparisons}
 
 
@@ -418,8 +422,7 @@ def contrasts(name, seeds, per_run):
         label = contrast_label(coefs)
         v = verdict(dd, "contrast", "0").replace("contrast > 0", "> 0").replace("contrast < 0", "< 0")
         out.append({"metric": k, "contrast": label, "coefs": coefs, **dd, "verdict": v})
-        lines.append(f"| {label} | {k} | {_f(dd['mean'])} ± {_f(dd['se'])} [{_f(dd['ci'][0])}, {_f(dd['ci'][1])}] "
-                     f"[{_f(dd['t_ci'][0])}, {_f(dd['t_ci'][1])}] | {v} |")
+        lines.append(f"| {label} | {k} | {diff_cell(dd)} | {v} |")
     if lines:
         lines = ["", "contrasts (per seed, then over seeds): mean ± SE [bootstrap 95 %] [t 95 %]", "",
                  "| contrast | metric | value | verdict |", "|---|---|---|---|"] + lines

@@ -157,8 +157,7 @@ def compare(seeds, runs, keys, pairs=COMPARE):
                 continue
             v = mini.verdict(d, a, b)
             out.append({"arm": a, "ref": b, "metric": k, **d, "verdict": v})
-            lines.append(f"| {a} − {b} | {k} | {mini._f(d['mean'])} ± {mini._f(d['se'])} [{mini._f(d['ci'][0])}, "
-                         f"{mini._f(d['ci'][1])}] [{mini._f(d['t_ci'][0])}, {mini._f(d['t_ci'][1])}] | {v} |")
+            lines.append(f"| {a} − {b} | {k} | {mini.diff_cell(d)} | {v} |")
     return lines, out
 
 

@@ -106,6 +106,4 @@ if __name__ == "__main__":
                 x = [res[(a, sd)].get(part, {}).get(k) for sd in seeds]
                 y = [res[(args.ref, sd)].get(part, {}).get(k) for sd in seeds]
                 d = mini.paired_diff(x, y)
-                f = lambda v: mini._f(v, 4)  # noqa: E731
-                print(f"| {a} − {args.ref} | {k} | {f(d['mean'])} ± {f(d['se'])} [{f(d['ci'][0])}, {f(d['ci'][1])}] "
-                      f"[{f(d['t_ci'][0])}, {f(d['t_ci'][1])}] | {mini.verdict(d, a, args.ref)} |")
+                print(f"| {a} − {args.ref} | {k} | {mini.diff_cell(d, 4)} | {mini.verdict(d, a, args.ref)} |")
