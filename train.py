@@ -1271,7 +1271,8 @@ def setup(cfg, ddp, stack):
         cfg["teacher"] in ("frozen", "trust_region") or cfg["teacher_stage_reset"] == "initial"))
     initial_model = None
     if needs_initial:
-        initial_model = frozen_copy(load_model(state["base_init"], dev, scratch=cfg)[0] if resume else model)
+        initial_model = (load_model(state["base_init"], dev, scratch=cfg)[0].eval().requires_grad_(False) if resume
+                         else frozen_copy(model))  # a fresh load needs no second copy
     teacher_model = None
     if cfg["algo"] == "sdpo" and cfg["teacher"] in ("frozen", "ema"):
         teacher_model = frozen_copy(initial_model if initial_model is not None else model)
@@ -1422,7 +1423,7 @@ def train_loop(run, cfg, ddp):
     total_iters = sum(iters for _, iters in run["stages"])
     share = cfg["batch_prompts"] // ddp.world
     autocast = make_autocast(dev, cfg["dtype"])
-    batch, my_tasks, state["stuck"] = None, None, {}
+    batch, my_tasks, stuck = None, None, {}  # stuck: consecutive iterations per warning (metrics.stuck_warnings)
     if state["iter"] == 0:
         state["accuracy_matrix"] = {"eval_sets": run["eval_names"], "stages": [], "rows": [],
                                     "base": run_eval(run, cfg, ddp, "start")}
@@ -1465,7 +1466,7 @@ def train_loop(run, cfg, ddp):
                                      ratio_max=max(ddp.gather(loss_metrics["ratio_max"])))
             run["log"].record(record)
             run["log"].say(metrics.console_line(stage_desc, record))
-            for warning in metrics.stuck_warnings(record, state["stuck"], cfg["algo"]):
+            for warning in metrics.stuck_warnings(record, stuck, cfg["algo"]):
                 run["log"].say(warning)
             # periodic eval (the collapse guard) and checkpoint; the end of a stage has its own
             last = state["stage_iter"] == iters
