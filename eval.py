@@ -534,17 +534,23 @@ def load(init, run_cfg, dev):
 
 
 # ----------------------------------------------------------------------------- one model's numbers
+def sample(model_, tokenizer, tasks, cfg, autocast, *, n, batch_prompts, seed, progress=False):
+    """train.evaluate with eval.py's sampling settings: n responses per prompt, on the model's device."""
+    dev = next(model_.parameters()).device
+    with autocast():
+        return train.evaluate(model_, tokenizer, tasks, n=n, temperature=cfg["temperature"], top_p=cfg["top_p"],
+                              max_new_tokens=cfg["max_new_tokens"], batch_prompts=batch_prompts,
+                              generator=train.make_generator(seed, dev), enable_thinking=cfg["enable_thinking"],
+                              progress=progress, static=train.use_static_rollout("auto", dev))
+
+
 def score_sets(model_, tokenizer, sets, cfg, ks, autocast, label):
     """Sample n responses per prompt on every set: {set: {"metrics", "texts", "artifacts"}}."""
     res = {}
     for name, tasks in sets.items():
         print(f"{label}: {name} ({len(tasks)} prompts x {cfg['n']} samples)", flush=True)
-        dev = next(model_.parameters()).device
-        with autocast():
-            r = train.evaluate(model_, tokenizer, tasks, n=cfg["n"], temperature=cfg["temperature"], top_p=cfg["top_p"],
-                               max_new_tokens=cfg["max_new_tokens"], batch_prompts=cfg["batch_prompts"],
-                               generator=train.make_generator(cfg["seed"], dev), enable_thinking=cfg["enable_thinking"],
-                               progress=True, static=train.use_static_rollout("auto", dev))
+        r = sample(model_, tokenizer, tasks, cfg, autocast, n=cfg["n"], batch_prompts=cfg["batch_prompts"], seed=cfg["seed"],
+                   progress=True)
         res[name] = {"metrics": train.accuracy_summary(r["scores"], ks), "texts": r["texts"],
                      "artifacts": artifacts_of(tokenizer, tasks, r["texts"])}
     return res
@@ -552,16 +558,10 @@ def score_sets(model_, tokenizer, sets, cfg, ks, autocast, label):
 
 def drift_responses(model_, tokenizer, drift_sets, cfg, autocast, seed_offset=0):
     """One response per fixed drift prompt, sampled with a generator seeded by cfg['seed']: {set: [text]}."""
-    out_ = {}
-    for name, tasks in drift_sets.items():
-        dev = next(model_.parameters()).device
-        with autocast():
-            r = train.evaluate(model_, tokenizer, tasks, n=1, temperature=cfg["temperature"], top_p=cfg["top_p"],
-                               max_new_tokens=cfg["max_new_tokens"], batch_prompts=max(1, cfg["batch_prompts"] * cfg["n"]),
-                               generator=train.make_generator(cfg["seed"] + seed_offset, dev),
-                               enable_thinking=cfg["enable_thinking"], static=train.use_static_rollout("auto", dev))
-        out_[name] = [row[0] for row in r["texts"]]
-    return out_
+    return {name: [row[0] for row in sample(model_, tokenizer, tasks, cfg, autocast, n=1,
+                                            batch_prompts=max(1, cfg["batch_prompts"] * cfg["n"]),
+                                            seed=cfg["seed"] + seed_offset)["texts"]]
+            for name, tasks in drift_sets.items()}
 
 
 def bandwidth(base_emb, other_emb):
