@@ -52,3 +52,6 @@ def test_teacher_context_copies_per_domain(toy_data):
         assert content.startswith(question) and content.endswith("Correctly solve the original question.")
         assert ("Correct solution:" in content) != ("feedback" in content)
         assert r["answer"] == original["answer"] and r["solution"] == original["solution"]
+        if "Correct solution:" in content:  # prepare.py writes train.teacher_prompt_text's form without importing train
+            assert content == train.teacher_prompt_text(question, original["solution"], None, train.reprompt_template,
+                                                        train.solution_template, train.feedback_template)
