@@ -206,6 +206,22 @@ def test_density_one_distills_every_token_of_every_response_with_a_peer(toy_data
     assert all(torch.allclose(w[w > 0], torch.tensor(1.0 / kept)) for w in batch.distill_weight if (w > 0).any())
 
 
+def test_sft_normalises_by_every_ranks_tokens_and_reports_its_own(toy_data):
+    """With several ranks the SFT weights divide by the whole step's tokens (global_sum), while the
+    metric is this rank's count: metrics.iteration_record adds the ranks' counts itself."""
+    cfg, model, tokenizer = tiny_setup(toy_data, "sft")
+    tasks = train.load_tasks("toy/add", "train", toy_data)[:3]
+    two_ranks = lambda xs: [2 * x for x in xs]  # noqa: E731  (two ranks with the same tokens)
+    batch, metrics = train.build_batch(tasks, model, tokenizer, cfg, None, torch.device("cpu"), global_sum=two_ranks)
+    n = sum(len(r) for r in batch.response_ids)
+    assert metrics["tokens"] == n
+    assert all(torch.allclose(w, torch.full_like(w, 1.0 / (2 * n))) for w in batch.pg_weight)
+    record = {}
+    train.metrics.iteration_record(record, metrics, dict.fromkeys(("loss", "reference_s", "teacher_s", "student_s") + train.metrics.TOKEN_SUMS, 0.0),
+                                   algo="sft", distill=cfg["distill"], world=2, global_sum=two_ranks, ratio_max=0.0)
+    assert record["tokens"] == 2 * n
+
+
 def test_collapse_guard_on_zero_accuracy_or_empty_responses():
     cfg = dict(defaults(), collapse_patience=2)
     state = {"iter": 0, "zero_acc_evals": 0, "eval_len": {"a": 5.0, "b": 5.0}, "best": {"a": 0.4}}
