@@ -419,7 +419,9 @@ def test_two_stage_run_then_eval(toy_data, tmp_path):
     for key in ("nss_left", "nss_right"):
         assert 0 < sp["overall"][key] < 1  # trained: the top-k subspaces moved, but not to orthogonal
     assert 0 < sp["overall"]["max_angle_left"] <= 90 and sp["overall"]["sv_change"] > 0
-    assert curve[1]["spectral"]["overall"] == pytest.approx(sp["overall"])  # the last snapshot is the final model
+    last, final = curve[1]["spectral"]["overall"], sp["overall"]  # the last snapshot is the final model
+    assert last.keys() == final.keys() and last["k"] == final["k"]  # k: the list of ranks used (exact)
+    assert {key: v for key, v in last.items() if key != "k"} == pytest.approx({key: v for key, v in final.items() if key != "k"})
     assert curve[0]["spectral"]["overall"]["n"] == 7
     with open(os.path.join(run, "eval.md")) as f:
         md = f.read()
