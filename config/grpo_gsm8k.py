@@ -16,7 +16,7 @@ max_new_tokens = 1024
 # in-loop eval: all 1319 test problems, one sample each (mean@1, std. error ~1 point): ~5 rollout batches
 eval_n = 1
 eval_max_prompts = 0
-# memory, python tests/memory_estimate.py --config=config/grpo_gsm8k.py: 50 GB peak (KV cache of 128 rows)
+# memory, python tests/bench/memory_estimate.py --config=config/grpo_gsm8k.py: 50 GB peak (KV cache of 128 rows)
 gen_batch_size = 128
 grad_checkpointing = True
 micro_batch_size = 16

@@ -19,7 +19,7 @@ max_reprompt_len = 2048
 # in-loop eval: all 1319 test problems, one sample each (mean@1, std. error ~1 point): ~5 rollout batches
 eval_n = 1
 eval_max_prompts = 0
-# memory, python tests/memory_estimate.py --config=config/sdpo_gsm8k.py: 57 GB peak (KV cache of 128 rows)
+# memory, python tests/bench/memory_estimate.py --config=config/sdpo_gsm8k.py: 57 GB peak (KV cache of 128 rows)
 gen_batch_size = 128
 grad_checkpointing = True
 micro_batch_size = 16

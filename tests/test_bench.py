@@ -1,7 +1,10 @@
 """The benchmark scripts still run end to end (tiny sizes; their figures are not checked here:
-speed is never asserted in a test)."""
+speed is never asserted in a test), and tests/ holds tests: the scripts live in tests/bench/ and
+tests/experiments/, run from any folder, and every path the docs give for them exists."""
+import glob
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -16,8 +19,8 @@ def run_script(*args):
 
 
 def test_bench_step_runs_and_reports_every_phase(toy_data):
-    out = run_script("tests/bench_step.py", "--init_from=scratch", "--iters=2", "--gen_runs=1", "--batch_prompts=2",
-                     "--group_size=4", "--max_new_tokens=6")
+    out = run_script("tests/bench/bench_step.py", "--init_from=scratch", "--iters=2", "--gen_runs=1",
+                     "--batch_prompts=2", "--group_size=4", "--max_new_tokens=6")
     assert out["settings"]["iters"] == 2 and out["settings"]["init_from"] == "scratch"
     # a scratch model never succeeds, so the bench sets success_threshold 0: every response has a peer
     assert out["sdpo_teacher_seqs"] == 8 and out["sdpo_phases"]["teacher"] > 0
@@ -27,15 +30,15 @@ def test_bench_step_runs_and_reports_every_phase(toy_data):
 
 
 def test_bench_loss_runs_and_fused_matches_naive():
-    out = run_script("tests/bench_loss.py", "--size", "256", "32", "2048", "--runs=1")
+    out = run_script("tests/bench/bench_loss.py", "--size", "256", "32", "2048", "--runs=1")
     assert out["size"] == [256, 32, 2048] and out["other_sizes"] == []
     assert out["naive_s"] > 0 and out["fused_s"] > 0 and out["naive_peak_mb"] > 0
     assert out["max_abs_grad_diff"] < 1e-5
 
 
 def estimate(capsys, *argv):
-    """tests/memory_estimate.py in this process (transformers and train.py imported once): its JSON."""
-    import memory_estimate
+    """tests/bench/memory_estimate.py in this process (transformers and train.py imported once): its JSON."""
+    from tests.bench import memory_estimate
     memory_estimate.main(list(argv))
     return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
 
@@ -44,7 +47,7 @@ def test_memory_estimate_counts_the_published_sizes(capsys):
     """Qwen3 parameter counts built on the meta device (no download), and the state they imply
     (the default config, sdpo_math.py: an EMA teacher); the script runs as a script."""
     for model, params in (("qwen3-0.6b", 0.596e9), ("qwen3-1.7b", 1.72e9), ("qwen3-4b", 4.02e9), ("qwen3-8b", 8.19e9)):
-        out = run_script("tests/memory_estimate.py", f"--model={model}") if model == "qwen3-4b" else \
+        out = run_script("tests/bench/memory_estimate.py", f"--model={model}") if model == "qwen3-4b" else \
             estimate(capsys, f"--model={model}")
         assert abs(out["params"] - params) / params < 0.005
         assert out["state_gb"] == round(out["params"] * (4 + 4 + 8 + 4) / 1e9, 1)  # weights, grads, AdamW, EMA teacher
@@ -92,9 +95,9 @@ def test_every_shipped_qwen3_config_gets_an_estimate(capsys):
 
 
 def test_gpu_check_runs_every_section_in_cpu_mode(toy_data, tmp_path):
-    """tests/gpu_check.py --cpu runs the GPU check's code paths at tiny sizes: every section reports,
+    """tests/bench/gpu_check.py --cpu runs the GPU check's code paths at tiny sizes: every section reports,
     the correctness checks pass, and the last line is the JSON with them (speed is not checked)."""
-    proc = subprocess.run([sys.executable, "tests/gpu_check.py", "--cpu", f"--out={tmp_path}"], cwd=ROOT,
+    proc = subprocess.run([sys.executable, "tests/bench/gpu_check.py", "--cpu", f"--out={tmp_path}"], cwd=ROOT,
                           capture_output=True, text=True, timeout=900, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     lines = proc.stdout.strip().splitlines()
@@ -116,3 +119,36 @@ def test_gpu_check_runs_every_section_in_cpu_mode(toy_data, tmp_path):
     assert liger["status"] == "SKIP" and "CUDA" in liger["summary"]  # never a requirement
     assert checks["train.generate(static=True) tokens/s"]["numbers"]["tok_s"] > 0
     assert next(c for c in out["checks"] if c["name"].startswith("static rollout"))["numbers"]["static_over_hf"] > 0
+
+
+def test_tests_top_level_holds_only_test_files_conftest_and_subfolders():
+    tests = os.path.join(ROOT, "tests")
+    files = [f for f in os.listdir(tests) if os.path.isfile(os.path.join(tests, f)) and not f.startswith(".")]
+    stray = [f for f in files if f != "conftest.py" and not (f.startswith("test_") and f.endswith(".py"))]
+    assert stray == [], f"scripts belong in tests/bench/ or tests/experiments/, not the top of tests/: {stray}"
+    for folder in ("bench", "experiments"):  # pytest collects nothing there: the scripts are not tests
+        assert not glob.glob(os.path.join(tests, folder, "test_*.py"))
+
+
+def test_every_script_path_the_docs_and_scripts_name_exists():
+    """README, RESULTS, the configs' comments and the scripts' own docstrings name each script by the
+    path it is run by (`python tests/experiments/miniature.py ...`): none names a stale one."""
+    docs = [os.path.join(ROOT, "README.md"), os.path.join(ROOT, "RESULTS.md"),
+            *glob.glob(os.path.join(ROOT, "config", "*.py")), *glob.glob(os.path.join(ROOT, "tests", "**", "*.py"))]
+    named = set()
+    for doc in docs:
+        with open(doc) as f:
+            named |= {(os.path.relpath(doc, ROOT), path) for path in re.findall(r"tests/[\w/]+\.py", f.read())}
+    assert {path for _, path in named if path.startswith(("tests/bench/", "tests/experiments/"))}  # the check looks
+    missing = sorted((doc, path) for doc, path in named if not os.path.isfile(os.path.join(ROOT, path)))
+    assert missing == [], missing
+
+
+def test_the_scripts_that_import_a_sibling_run_as_scripts_from_any_folder(tmp_path):
+    """`python tests/experiments/sort_fade.py` imports `tests.experiments.miniature` (and gpu_check.py
+    `tests.bench.bench_loss`) through the one repo-root insert, wherever it is started from."""
+    for script in ("tests/experiments/miniature.py", "tests/experiments/sort_fade.py",
+                   "tests/experiments/teacher_track.py", "tests/experiments/spectral_runs.py", "tests/bench/gpu_check.py"):
+        proc = subprocess.run([sys.executable, os.path.join(ROOT, script), "--help"], cwd=tmp_path,
+                              capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+        assert proc.returncode == 0 and "usage:" in proc.stdout, (script, proc.stderr[-2000:])

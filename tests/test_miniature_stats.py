@@ -1,10 +1,7 @@
-"""The statistics of tests/miniature.py (pure functions; no training runs)."""
+"""The statistics of tests/experiments/miniature.py (pure functions; no training runs)."""
 import math
-import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import miniature as mini  # noqa: E402
+from tests.experiments import miniature as mini  # conftest.py puts the repo root on sys.path
 
 
 def test_mean_se_matches_the_textbook_formula():

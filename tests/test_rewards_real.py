@@ -1,6 +1,6 @@
 """Reward checkers and prepare scripts on real benchmark test files, local copies in
 $NANOSDPO_BENCHMARK_DATA (default ../shared/data, next to the checkout; skipped when absent). The
-rates are the ones tests/agreement.py prints for the README."""
+rates are the ones tests/bench/agreement.py prints for the README."""
 import json
 import os
 import subprocess
@@ -11,10 +11,9 @@ import pytest
 TESTS = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(TESTS)
 DATA = os.environ.get("NANOSDPO_BENCHMARK_DATA", os.path.join(REPO, "..", "shared", "data"))
-sys.path.insert(0, TESTS)
 sys.path.insert(0, REPO)
-import agreement  # noqa: E402
-from agreement import R  # noqa: E402  (train.reward, over data/checkers.py)
+from tests.bench import agreement  # noqa: E402
+from tests.bench.agreement import R  # noqa: E402  (train.reward, over data/checkers.py)
 
 pytestmark = pytest.mark.skipif(not os.path.isfile(os.path.join(DATA, "math500_test.jsonl")),
                                 reason=f"real benchmark files not found in {os.path.normpath(DATA)}")

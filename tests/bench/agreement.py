@@ -4,7 +4,7 @@ test files in $NANOSDPO_BENCHMARK_DATA, default ../shared/data):
 reference answers and solutions must be accepted, other items' answers and perturbed answers
 rejected. tests/test_rewards_real.py asserts these rates; this script prints them.
 
-    python tests/agreement.py [--data_dir=../shared/data]
+    python tests/bench/agreement.py [--data_dir=../shared/data]
 
 Prints a table, then the same numbers as one JSON line (the last line) for the README.
 """
@@ -15,9 +15,9 @@ import os
 import re
 import sys
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DATA_DIR = os.environ.get("NANOSDPO_BENCHMARK_DATA", os.path.join(REPO, "..", "shared", "data"))
-sys.path.insert(0, REPO)
+sys.path.insert(0, REPO)  # as a script: the repo root on sys.path, for train.py and tests.*
 import train as R  # noqa: E402  (reward(): the dispatch to data/checkers.py)
 
 

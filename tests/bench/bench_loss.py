@@ -3,9 +3,9 @@ chunked one, at a few sizes. Each measurement runs in its own subprocess so
 peak memory is clean (--inprocess: all in this process, one problem per size;
 exact for CUDA's allocated-bytes peaks, approximate for CPU RSS).
 
-    python tests/bench_loss.py                      # CPU, fp32
-    python tests/bench_loss.py --cuda --dtype bf16  # GPU, main size N=8192 H=4096 V=128256
-    python tests/bench_loss.py --size 256 64 4096   # one size of your choice
+    python tests/bench/bench_loss.py                      # CPU, fp32
+    python tests/bench/bench_loss.py --cuda --dtype bf16  # GPU, main size N=8192 H=4096 V=128256
+    python tests/bench/bench_loss.py --size 256 64 4096   # one size of your choice
 
 Columns (the same inputs for all):
   naive       train.naive_token_loss: fp32 products and maths (the exact reference)
@@ -37,7 +37,8 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, ROOT)  # as a script: the repo root on sys.path, for train.py and tests.*
 import train  # noqa: E402
 from train import distill_divergence, fused_token_loss, naive_token_loss, sampled_logprobs  # noqa: E402
 

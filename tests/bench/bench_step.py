@@ -1,12 +1,12 @@
 """Benchmark: one GRPO iteration vs one SDPO iteration at equal batch, and the rollout
 (train.generate) vs plain HF `model.generate`, on the toy model.
 
-    python tests/bench_step.py                                  # toy base if trained, else scratch
-    python tests/bench_step.py --init_from=scratch --iters=3
-    python tests/bench_step.py --dataset=toy/sort --max_new_tokens=24  # sort/rev answers are 23 tokens
-    python tests/bench_step.py --no_ctx             # without the train set's teacher-context copies
-    python tests/bench_step.py --threads=0          # torch's default thread count (default here: 1)
-    python tests/bench_step.py --device=cuda --static   # on a GPU (bf16 autocast; times synchronised)
+    python tests/bench/bench_step.py                                  # toy base if trained, else scratch
+    python tests/bench/bench_step.py --init_from=scratch --iters=3
+    python tests/bench/bench_step.py --dataset=toy/sort --max_new_tokens=24  # sort/rev answers are 23 tokens
+    python tests/bench/bench_step.py --no_ctx             # without the train set's teacher-context copies
+    python tests/bench/bench_step.py --threads=0          # torch's default thread count (default here: 1)
+    python tests/bench/bench_step.py --device=cuda --static   # on a GPU (bf16 autocast; times synchronised)
 
 Iterations are assembled the way train.main assembles them (build_batch -> loss_backward ->
 optimizer_step -> ema_update), each algorithm on its own copy of the same initial weights, with
@@ -45,8 +45,8 @@ import time
 
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, ROOT)  # as a script: the repo root on sys.path, for train.py and tests.*
 import models  # noqa: E402
 import train  # noqa: E402
 from configurator import config_keys  # noqa: E402

@@ -1,9 +1,9 @@
 """One command for a GPU machine: is nanoSDPO correct on CUDA, does it train there, and how fast is it.
 
-    python tests/gpu_check.py                # one GPU: sections a-d, one table, a JSON last line
-    python tests/gpu_check.py --only=a,c     # some sections (a rerun after a fix)
-    python tests/gpu_check.py --cpu          # the same code paths at tiny sizes on the CPU (tests/test_bench.py)
-    python tests/gpu_check.py --out=runs/gc  # keep the train.py runs and logs (default: a temp dir, kept on a failure)
+    python tests/bench/gpu_check.py                # one GPU: sections a-d, one table, a JSON last line
+    python tests/bench/gpu_check.py --only=a,c     # some sections (a rerun after a fix)
+    python tests/bench/gpu_check.py --cpu          # the same code paths at tiny sizes on the CPU (tests/test_bench.py)
+    python tests/bench/gpu_check.py --out=runs/gc  # keep the train.py runs and logs (default: a temp dir, kept on a failure)
 
 Sections (each check prints PASS / FAIL with its numbers as it finishes):
   a  correctness on the device
@@ -17,7 +17,7 @@ Sections (each check prints PASS / FAIL with its numbers as it finishes):
          under torch.use_deterministic_algorithms, so only the resume itself can make them differ)
   b  a short toy SFT -> GRPO -> SDPO, `python train.py ... --device=<dev> --static_rollout=on`
      subprocesses: accuracy (mean@4 on toy/add) before and after, and seconds per phase
-  c  tests/bench_loss.py on the device (bf16 inputs, the main size N=8192 H=4096 V=128256): fused
+  c  tests/bench/bench_loss.py on the device (bf16 inputs, the main size N=8192 H=4096 V=128256): fused
      vs the fp32 naive and the bf16-matmul naive, and the full-vocab JSD against Liger's fused linear
      JSD when liger_kernel is importable
   d  rollout tokens/s at a random-init Qwen3-0.6B shape (toy tokenizer, vocab padded to 128, bf16):
@@ -43,11 +43,11 @@ then 4 x 3 engines x 256 rows x 128 tokens): ~6 min in all, within the 8 minutes
 import sys
 
 if __name__ == "__main__" and len(sys.argv) > 1 and sys.argv[1] == "--train":
-    # `python tests/gpu_check.py --train [--eager-compile] [--deterministic] -- <train.py args>`: runs
+    # `python tests/bench/gpu_check.py --train [--eager-compile] [--deterministic] -- <train.py args>`: runs
     # train.py as `python train.py <args>` would, after setting up what the flags ask for.
     import os
     import runpy
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     flags, args = sys.argv[2:sys.argv.index("--")], sys.argv[sys.argv.index("--") + 1:]
     import torch
     if "--eager-compile" in flags:
@@ -77,13 +77,11 @@ import time  # noqa: E402
 
 import torch  # noqa: E402
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-sys.path.insert(0, ROOT)
-sys.path.insert(0, HERE)
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, ROOT)  # as a script: the repo root on sys.path, for train.py and tests.*
 import models  # noqa: E402
 import train  # noqa: E402
-import bench_loss  # noqa: E402
+from tests.bench import bench_loss  # noqa: E402
 
 SECTIONS = {"a": "correctness", "b": "toy SFT -> GRPO -> SDPO", "c": "loss benchmark", "d": "rollout tokens/s"}
 # a model small enough that a few train.py iterations take seconds (tests/conftest.py's TINY)
@@ -443,7 +441,7 @@ def section_c(C):
         argv = ["--size", "256", "32", "2048", "--dtype", "bf16", "--runs", "1", "--jsd", "on", "--inprocess"]
     else:
         argv = ["--cuda", "--dtype", "bf16", "--main-only", "--inprocess"]
-    C.say("c", f"tests/bench_loss.py {' '.join(argv)}")
+    C.say("c", f"tests/bench/bench_loss.py {' '.join(argv)}")
     buf = _Tee(lambda line: C.say("c", line))
     with contextlib.redirect_stdout(buf):
         r = bench_loss.main(argv)

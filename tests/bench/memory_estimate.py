@@ -2,11 +2,11 @@
 model's architecture (published Qwen3 config.json values, built on the meta device to count
 parameters exactly) and the run's settings. No GPU and no download needed.
 
-    python tests/memory_estimate.py                                   # config/sdpo_math.py (the default --config)
-    python tests/memory_estimate.py --config=config/sdpo_gsm8k.py     # a shipped config, as train.py reads it
-    python tests/memory_estimate.py --config=config/sdpo_gsm8k.py --init_from=Qwen/Qwen3-0.6B --gen_batch_size=32
-    python tests/memory_estimate.py --config=config/grpo_math.py --world_size=8    # one rank under torchrun
-    python tests/memory_estimate.py --model=qwen3-8b                  # another architecture, the config's settings
+    python tests/bench/memory_estimate.py                                   # config/sdpo_math.py (the default --config)
+    python tests/bench/memory_estimate.py --config=config/sdpo_gsm8k.py     # a shipped config, as train.py reads it
+    python tests/bench/memory_estimate.py --config=config/sdpo_gsm8k.py --init_from=Qwen/Qwen3-0.6B --gen_batch_size=32
+    python tests/bench/memory_estimate.py --config=config/grpo_math.py --world_size=8    # one rank under torchrun
+    python tests/bench/memory_estimate.py --model=qwen3-8b                  # another architecture, the config's settings
 
 Settings: train.py's defaults, then the --config file, then any train.py --key=value, all through
 configurator.py exactly as `python train.py config/x.py --key=value` applies them. The model is
@@ -44,8 +44,8 @@ import sys
 
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, ROOT)  # as a script: the repo root on sys.path, for train.py and tests.*
 import train  # noqa: E402
 from configurator import configure  # noqa: E402
 

@@ -1,7 +1,7 @@
 """Are two runs of one (arm, seed) numerically identical? Compares accuracy_matrix.json exactly and every
 per-iteration number both log.jsonl files share (loss, reward, grad_norm, ...; phase times excluded).
 
-    python tests/compare_runs.py out/check/grpo_s1 out/miniature/grpo_s1
+    python tests/experiments/compare_runs.py out/check/grpo_s1 out/miniature/grpo_s1
 """
 import json
 import sys

@@ -2,8 +2,8 @@
 GRPO vs SDPO on one toy domain, same iterations, batch and seed: in-domain test accuracy
 (mean@4 at temperature 0.6) at every eval, side by side, then a JSON last line.
 
-    python tests/grpo_vs_sdpo.py                         # toy/sort, config/grpo_toy.py vs config/sdpo_toy.py
-    python tests/grpo_vs_sdpo.py --dataset=toy/add --seed=2
+    python tests/experiments/grpo_vs_sdpo.py                         # toy/sort, config/grpo_toy.py vs config/sdpo_toy.py
+    python tests/experiments/grpo_vs_sdpo.py --dataset=toy/add --seed=2
 Needs the toy base: python data/toy/prepare.py && python train.py config/toy_base.py
 """
 import argparse
@@ -12,7 +12,7 @@ import os
 import subprocess
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def curve(out_dir, dataset):

@@ -3,10 +3,10 @@ The paper in miniature, as statistics: continual post-training on the toy suite,
 the same (paired) seeds, every number a mean over seeds with its spread, and a verdict only where
 a paired difference is larger than its spread.
 
-    python tests/miniature.py --experiment=main --seeds=1-8 --jobs=2          # GRPO vs SDPO d=1/0.5/0.25
-    python tests/miniature.py --experiment=distance --seeds=1-8 --jobs=2      # add, then a near/mid/far domain
-    python tests/miniature.py --experiment=teacher --seeds=1-8 --jobs=2       # frozen / EMA / trust-region teacher
-    python tests/miniature.py --arms=grpo --seeds=1-8 --ref=none              # any arms, no comparison
+    python tests/experiments/miniature.py --experiment=main --seeds=1-8 --jobs=2          # GRPO vs SDPO d=1/0.5/0.25
+    python tests/experiments/miniature.py --experiment=distance --seeds=1-8 --jobs=2      # add, then a near/mid/far domain
+    python tests/experiments/miniature.py --experiment=teacher --seeds=1-8 --jobs=2       # frozen / EMA / trust-region teacher
+    python tests/experiments/miniature.py --arms=grpo --seeds=1-8 --ref=none              # any arms, no comparison
 
 Each (arm, seed) is one `train.py` run and one `eval.py` run into out_root/<arm>_s<seed>/, at one
 torch thread (OMP_NUM_THREADS=1: deterministic for a given seed), `--jobs` at a time; a run whose
@@ -41,8 +41,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, ROOT)  # as a script: the repo root on sys.path, for train.py and tests.*
 from eval import continual_metrics  # noqa: E402  (forgetting, BWT, gains: one definition)
 G, S = "config/continual_toy_grpo.py", "config/continual_toy_sdpo.py"
 

@@ -8,12 +8,12 @@ with one arm per suspect:
     sdpo_seqmean   --distill_agg=seq-mean: the step shrinks with the fraction of responses that have a peer
     grpo           the reward-only baseline
 
-    python tests/sort_fade.py --seeds=1-8 --jobs=2                 # run (or read) and report
-    python tests/sort_fade.py --seeds=1-8 --no_run                 # only read finished runs
+    python tests/experiments/sort_fade.py --seeds=1-8 --jobs=2                 # run (or read) and report
+    python tests/experiments/sort_fade.py --seeds=1-8 --no_run                 # only read finished runs
 
 Each run is `train.py <config> --eval_interval=10 --stop_on_collapse=False --seed=S
 --out_dir=out/fade/<arm>_s<S>` at one torch thread (the miniature's statistics and verdict rule:
-tests/miniature.py). From each run's log.jsonl: the student's mean@4 at every eval, the teacher's
+tests/experiments/miniature.py). From each run's log.jsonl: the student's mean@4 at every eval, the teacher's
 teacher_mean@4 (the teacher reading each eval prompt with the reference solution as its
 demonstration: SDPO arms), and per 10-iteration window the mean peer_frac, reward and
 sampled_logratio(_ok, _failed). Per run: peak = the best eval after iteration 0, fade = peak − final, gain10 = eval@10 − start,
@@ -27,9 +27,9 @@ import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import miniature as mini  # noqa: E402
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, ROOT)  # as a script: the repo root on sys.path, for train.py and tests.*
+from tests.experiments import miniature as mini  # noqa: E402
 
 COMMON = ["--eval_interval=10", "--stop_on_collapse=False"]
 ARMS = {

@@ -3,7 +3,7 @@ Spectral parameter drift of finished miniature runs, read-only, with the miniatu
 does the paper's own drift measure (top-k singular subspaces and spectrum of each weight matrix,
 after arXiv 2511.08567: eval.spectral_drift) separate the arms where ‖θ−θ0‖/‖θ0‖ does not?
 
-    python tests/spectral_runs.py --root=out/miniature --arms=grpo,sdpo,sdpo_d0.5,sdpo_d0.25 \
+    python tests/experiments/spectral_runs.py --root=out/miniature --arms=grpo,sdpo,sdpo_d0.5,sdpo_d0.25 \
         --seeds=1-8 --ref=grpo --out=out/spectral
 
 For every <root>/<arm>_s<seed>/ it reads the safetensors of each stage snapshot (stage*_*/) and of
@@ -29,11 +29,10 @@ import sys
 import torch
 from safetensors.torch import load_file
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, ROOT)  # as a script: the repo root on sys.path, for train.py and tests.*
 import eval as ev  # noqa: E402
-import miniature as mini  # noqa: E402
+from tests.experiments import miniature as mini  # noqa: E402
 
 torch.set_num_threads(1)
 

@@ -11,9 +11,9 @@ domain, with the toy base model, compare the model without and with a demonstrat
       "wrong" columns score the wrong demonstration's own response, and copy@n is the fraction
       of samples that answer with the wrong demonstration's answer.
 
-    python tests/teacher_signal.py                             # out/toy_base/ckpt, 5 domains, N=100
-    python tests/teacher_signal.py --domains=add,sort --n_prompts=50
-    python tests/teacher_signal.py --init_from=scratch         # a random model: no signal expected
+    python tests/experiments/teacher_signal.py                             # out/toy_base/ckpt, 5 domains, N=100
+    python tests/experiments/teacher_signal.py --domains=add,sort --n_prompts=50
+    python tests/experiments/teacher_signal.py --init_from=scratch         # a random model: no signal expected
 
 Rows: plain = the original prompt; demo+ = the teacher prompt with the correct solution;
 demo- = the teacher prompt with the wrong solution. The last line printed is one JSON object.
@@ -27,8 +27,8 @@ import time
 
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, ROOT)  # as a script: the repo root on sys.path, for train.py and tests.*
 import models  # noqa: E402
 import train  # noqa: E402
 from configurator import config_keys  # noqa: E402

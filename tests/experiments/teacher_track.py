@@ -3,15 +3,17 @@ eval prompt with the reference solution as its demonstration (log.jsonl eval rec
 eval/<set>/teacher_mean@n, written by train.py) at the start and after every stage,
 beside the student's mean@n; mean ± SE over seeds per arm.
 
-    python tests/teacher_track.py --root=out/miniature --arms=sdpo_d0.25_disagree,sdpo_d0.25_last,sdpo_seqmean --seeds=1-8
+    python tests/experiments/teacher_track.py --root=out/miniature \
+        --arms=sdpo_d0.25_disagree,sdpo_d0.25_last,sdpo_seqmean --seeds=1-8
 """
 import argparse
 import json
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import miniature as mini  # noqa: E402
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, ROOT)  # as a script: the repo root on sys.path, for train.py and tests.*
+from tests.experiments import miniature as mini  # noqa: E402
 
 
 def evals(run):
