@@ -134,7 +134,8 @@ def test_every_script_path_the_docs_and_scripts_name_exists():
     """README, RESULTS, the configs' comments and the scripts' own docstrings name each script by the
     path it is run by (`python tests/experiments/miniature.py ...`): none names a stale one."""
     docs = [os.path.join(ROOT, "README.md"), os.path.join(ROOT, "RESULTS.md"),
-            *glob.glob(os.path.join(ROOT, "config", "*.py")), *glob.glob(os.path.join(ROOT, "tests", "**", "*.py"))]
+            *glob.glob(os.path.join(ROOT, "config", "*.py")),
+            *glob.glob(os.path.join(ROOT, "tests", "**", "*.py"), recursive=True)]
     named = set()
     for doc in docs:
         with open(doc) as f:
@@ -152,3 +153,21 @@ def test_the_scripts_that_import_a_sibling_run_as_scripts_from_any_folder(tmp_pa
         proc = subprocess.run([sys.executable, os.path.join(ROOT, script), "--help"], cwd=tmp_path,
                               capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
         assert proc.returncode == 0 and "usage:" in proc.stdout, (script, proc.stderr[-2000:])
+
+
+def test_every_test_the_docs_cite_by_name_exists():
+    """README's failure-modes table and the scripts cite tests as `<file>.py::<test name>…` (a prefix):
+    each still names a test in that file, so moving a test between files updates its citations."""
+    docs = [os.path.join(ROOT, "README.md"), os.path.join(ROOT, "RESULTS.md"),
+            *glob.glob(os.path.join(ROOT, "tests", "**", "*.py"), recursive=True)]
+    cited = set()
+    for doc in docs:
+        with open(doc) as f:
+            cited |= {(os.path.relpath(doc, ROOT), *m) for m in re.findall(r"(test_\w+\.py)::(test_\w+)", f.read())}
+    assert cited  # the check looks at something
+    stale = []
+    for doc, file, name in sorted(cited):
+        path = os.path.join(ROOT, "tests", file)
+        if not os.path.isfile(path) or f"def {name}" not in open(path).read():
+            stale.append((doc, file, name))
+    assert stale == [], stale
