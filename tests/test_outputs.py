@@ -1,6 +1,6 @@
 """What a run leaves for its users: ckpt/ is a clean HF model folder (vLLM / lm-eval load it as it
-is), in save_dtype, with the trainer state beside it; 'nothing is learning' is said out loud; DAPO's
-overlong filtering; the optional math-verify checker."""
+is), in save_dtype, with the trainer state beside it; 'nothing is learning' is said out loud; the
+optional math-verify checker. (DAPO's overlong filter, a step's weights, is in test_train.py.)"""
 import contextlib
 import json
 import os
@@ -66,20 +66,6 @@ def test_nothing_is_learning_is_said_once_per_episode():
     for _ in range(metrics.STUCK_ITERS):
         said += metrics.stuck_warnings({"truncated": 1.0}, counts, "grpo")
     assert len(said) == 1 and "max_new_tokens" in said[0]
-
-
-def test_overlong_filter_leaves_truncated_responses_out_of_the_loss(toy_data):
-    """A scratch model never stops within 3 tokens: every response is truncated."""
-    from test_train import tiny_setup
-    cfg, model, tokenizer = tiny_setup(toy_data, "sdpo", success_threshold=0.0, group_size=4, max_new_tokens=3,
-                                       grpo_mix=0.5, kl_coef=0.1)
-    tasks = train.load_tasks("toy/add", "test", toy_data)[:2]
-    for overlong in (False, True):
-        batch, _ = train.build_batch(tasks, model, tokenizer, dict(cfg, overlong_filter=overlong),
-                                     torch.Generator().manual_seed(0), torch.device("cpu"))
-        assert all(batch.truncated)
-        in_loss = sum(int(w.any()) for w in batch.pg_weight + batch.distill_weight)
-        assert (in_loss == 0) == overlong
 
 
 def test_math_checker_dispatch_and_cross_check():

@@ -1,4 +1,5 @@
-"""The loop end to end on a tiny model: a step moves every weight, runs finish, resume is exact."""
+"""The step and the loop end to end on a tiny model: a step moves every weight, the normalisers and the
+overlong filter weight the tokens as documented, runs finish, resume is exact."""
 import json
 import os
 
@@ -191,21 +192,6 @@ def test_non_finite_gradient_is_refused(toy_data):
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # no step taken
 
 
-def test_density_one_distills_every_token_of_every_response_with_a_peer(toy_data):
-    cfg, model, tokenizer = tiny_setup(toy_data, "sdpo", success_threshold=0.0, group_size=4, max_new_tokens=6,
-                                       density=1.0)
-    tasks = train.load_tasks("toy/add", "test", toy_data)[:2]
-    g = torch.Generator().manual_seed(0)
-    batch, metrics = train.build_batch(tasks, model, tokenizer, cfg, g, torch.device("cpu"))
-    n = sum(len(r) for r in batch.response_ids)
-    assert metrics["peer_frac"] == 1.0 and metrics["distill_frac"] == 1.0
-    assert all(torch.allclose(w, torch.full_like(w, 1.0 / n)) for w in batch.distill_weight)
-    batch, metrics = train.build_batch(tasks, model, tokenizer, dict(cfg, density=0.5), g, torch.device("cpu"))
-    kept = sum(int((w > 0).sum()) for w in batch.distill_weight)
-    assert 0 < kept < sum(len(r) for r in batch.response_ids)
-    assert all(torch.allclose(w[w > 0], torch.tensor(1.0 / kept)) for w in batch.distill_weight if (w > 0).any())
-
-
 def test_sft_normalises_by_every_ranks_tokens_and_reports_its_own(toy_data):
     """With several ranks the SFT weights divide by the whole step's tokens (global_sum), while the
     metric is this rank's count: metrics.iteration_record adds the ranks' counts itself."""
@@ -280,16 +266,32 @@ def test_grad_checkpointing_changes_no_gradient(toy_data):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
 
 
-def test_shared_prompt_hidden_equals_one_forward_per_sequence(toy_data):
-    """The teacher's sharing (one prefill per distinct prompt, one read per distinct prompt+response
-    pair) changes no number."""
-    cfg, model, tokenizer = tiny_setup(toy_data, "sdpo")
-    model.eval()
-    p1, p2 = [1, 5, 6, 7, 8, 9, 10], [1, 11, 12]
-    prompts = [p1, p1, p2, p1, p2, p1, p2]
-    responses = [[20, 21, 22, 2], [23, 2], [24, 25, 26, 27, 28, 2], [2], [29, 30, 2], [23, 2], [23, 2]]
-    with torch.no_grad():
-        plain = models.response_hidden(model, prompts, responses, torch.device("cpu"))
-    shared = models.shared_prompt_hidden(model, prompts, responses, torch.device("cpu"))
-    assert shared.shape == plain.shape == (sum(map(len, responses)), 32)
-    torch.testing.assert_close(shared, plain, atol=1e-5, rtol=1e-5)
+def test_the_two_normalisations_match_hand_computations():
+    """3 responses of lengths 2, 3, 4; the first has no teacher, the second keeps 2 of its 3 tokens."""
+    masks = [torch.tensor([False, False]), torch.tensor([True, False, True]), torch.tensor([True] * 4)]
+    token = train.distill_weights(masks, "token-mean", 0.5)
+    for w, want in zip(token, [[0, 0], [0.5 / 6, 0, 0.5 / 6], [0.5 / 6] * 4]):  # 6 distilled tokens
+        assert w.tolist() == pytest.approx(want)
+    seq = train.distill_weights(masks, "seq-mean", 1.0)
+    for w, want in zip(seq, [[0, 0], [1 / 6, 0, 1 / 6], [1 / 12] * 4]):  # mean per response, / 3 responses
+        assert w.tolist() == pytest.approx(want)
+    # a loss of D per token: token-mean gives the mean over distilled tokens, seq-mean the mean of the
+    # responses' means, a response without a teacher counting as 0
+    d = [torch.tensor([9.0, 9.0]), torch.tensor([1.0, 5.0, 3.0]), torch.tensor([2.0, 2.0, 2.0, 6.0])]
+    assert sum((w * x).sum() for w, x in zip(token, d)).item() == pytest.approx(0.5 * (1 + 3 + 12) / 6)
+    assert sum((w * x).sum() for w, x in zip(seq, d)).item() == pytest.approx((0 + 2 + 3) / 3)
+    # over ranks: the counts are global
+    assert train.distill_weights(masks, "seq-mean", 1.0, global_sum=lambda xs: [x * 2 for x in xs])[2][0] == pytest.approx(1 / 24)
+
+
+def test_overlong_filter_leaves_truncated_responses_out_of_the_loss(toy_data):
+    """A scratch model never stops within 3 tokens: every response is truncated."""
+    cfg, model, tokenizer = tiny_setup(toy_data, "sdpo", success_threshold=0.0, group_size=4, max_new_tokens=3,
+                                       grpo_mix=0.5, kl_coef=0.1)
+    tasks = train.load_tasks("toy/add", "test", toy_data)[:2]
+    for overlong in (False, True):
+        batch, _ = train.build_batch(tasks, model, tokenizer, dict(cfg, overlong_filter=overlong),
+                                     torch.Generator().manual_seed(0), torch.device("cpu"))
+        assert all(batch.truncated)
+        in_loss = sum(int(w.any()) for w in batch.pg_weight + batch.distill_weight)
+        assert (in_loss == 0) == overlong
