@@ -171,3 +171,23 @@ def test_every_test_the_docs_cite_by_name_exists():
         if not os.path.isfile(path) or f"def {name}" not in open(path).read():
             stale.append((doc, file, name))
     assert stale == [], stale
+
+
+def test_compare_runs_finds_a_rerun_identical_names_a_key_that_differs_and_refuses_bad_input(tmp_path):
+    """tests/experiments/compare_runs.py, the check that a rerun of the miniature reproduces its runs."""
+    from tests.experiments import compare_runs
+
+    def run(name, loss):
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / "accuracy_matrix.json").write_text(json.dumps({"rows": [[0.5]], "base": {"toy/add": 0.1}}))
+        (folder / "log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in (
+            {"iter": 1, "reward": 0.5, "loss": loss, "iter_s": 3.0}, {"eval_tag": "x", "iter": 1, "reward": 9.0})))
+        return str(folder)
+
+    a, again, other = run("a", 1.0), run("again", 1.0), run("other", 1.5)
+    assert compare_runs.compare(a, again)[:3] == (True, 1, {})  # phase times (iter_s) never count
+    assert compare_runs.compare(a, other)[:3] == (True, 1, {"loss": 0.5})
+    proc = subprocess.run([sys.executable, "tests/experiments/compare_runs.py", a, str(tmp_path / "none")], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1 and len(proc.stderr.strip().splitlines()) == 1 and "accuracy_matrix.json" in proc.stderr

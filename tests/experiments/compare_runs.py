@@ -4,6 +4,7 @@ per-iteration number both log.jsonl files share (loss, reward, grad_norm, ...; p
     python tests/experiments/compare_runs.py out/check/grpo_s1 out/miniature/grpo_s1
 """
 import json
+import os
 import sys
 
 SKIP = {"gen_s", "reward_s", "train_s", "iter_s", "optimizer_s", "teacher_s", "student_s", "reference_s", "tok_s"}
@@ -25,6 +26,10 @@ def compare(a, b):
 
 
 if __name__ == "__main__":
+    missing = [p for p in sys.argv[1:] if not os.path.isfile(os.path.join(p, "accuracy_matrix.json"))]
+    if len(sys.argv) != 3 or missing:
+        sys.exit("usage: python tests/experiments/compare_runs.py RUN_DIR_A RUN_DIR_B (two finished run folders"
+                 + (f"; no accuracy_matrix.json in {', '.join(missing)})" if missing else ")"))
     same, n, diffs, ra, rb = compare(sys.argv[1], sys.argv[2])
     print(f"{sys.argv[1]} vs {sys.argv[2]}: accuracy matrix identical: {same}; {n} iterations compared; "
           f"per-iteration keys that differ (max |diff|): {diffs or 'none'}")
