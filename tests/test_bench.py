@@ -191,3 +191,16 @@ def test_compare_runs_finds_a_rerun_identical_names_a_key_that_differs_and_refus
     proc = subprocess.run([sys.executable, "tests/experiments/compare_runs.py", a, str(tmp_path / "none")], cwd=ROOT,
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 1 and len(proc.stderr.strip().splitlines()) == 1 and "accuracy_matrix.json" in proc.stderr
+
+
+def test_teacher_signal_runs_on_a_scratch_model(toy_data):
+    """tests/experiments/teacher_signal.py end to end at a tiny size (a random model: no signal is
+    expected, so only the report's shape and ranges are checked)."""
+    out = run_script("tests/experiments/teacher_signal.py", "--init_from=scratch", "--domains=add", "--n_prompts=2",
+                     "--n=1", "--max_new_tokens=4")
+    rows = out["domains"]["add"]
+    assert set(rows) == set(out["overall"]) == {"plain", "demo+", "demo-"} and out["n_prompts"] == 2
+    assert all(r["logp_sum"] < 0 and r["logp_tok"] < 0 and 0 <= r["mean@1"] <= 1 and 0 <= r["copy@1"] <= 1
+               for r in rows.values())
+    assert rows["plain"]["frac_correct_up"] is None and 0 <= rows["demo+"]["frac_correct_up"] <= 1
+    assert rows["demo+"]["prompt_len"] > rows["plain"]["prompt_len"]  # the demonstration is in the teacher's prompt
