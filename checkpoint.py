@@ -1,9 +1,10 @@
 """
-The run folder: what train.py keeps in out_dir, and how it survives crashes, collapses (the collapse
-guard is here: it decides which checkpoint is a good one), a second run and a changed config.
+The run folder: what train.py keeps in out_dir, and how it survives crashes, a second run and a
+changed config. (The collapse guard, which decides which checkpoint is a good one, watches training:
+it is in metrics.py.)
 
     out_dir/
-      .lock                 held while a run writes here: a second run into the same folder stops
+      .lock                 flock'd while a run writes here: a second run into the same folder stops
       log.jsonl             one record per iteration and per eval
       samples.jsonl         a few rollouts (prompt, response, reward, teacher prompt) per eval
       accuracy_matrix.json  every eval set after every stage (continual runs)
@@ -14,19 +15,19 @@ guard is here: it decides which checkpoint is a good one), a second run and a ch
         trainer/            what resuming needs besides: state.json (iteration, stage, config, data
                             order), optimizer.safetensors (+ every rank's sampling RNG),
                             teacher.safetensors, model_fp32.safetensors (when the export is bf16)
-      ckpt_good/            the last checkpoint whose eval passed the collapse guard (hard links)
+      ckpt_good/            the last checkpoint whose eval passed the collapse guard (hard links); until
+                            one passes, the initial model (a fresh run saves it before its first step)
 
 A checkpoint is written to ckpt.tmp (trainer/state.json last), then ckpt -> ckpt.old and
 ckpt.tmp -> ckpt, then ckpt.old is removed: a crash at any moment leaves a complete checkpoint
 under one of the three names, and recover() puts the newest complete one back at ckpt/.
 """
 import contextlib
+import fcntl
 import json
-import math
 import os
 import re
 import shutil
-import statistics
 import struct
 
 import torch
@@ -45,52 +46,45 @@ RESUMABLE = {"out_dir", "init_from", "data_dir", "tokenizer_path", "device", "dt
 # ----------------------------------------------------------------------------- the folder
 @contextlib.contextmanager
 def locked(out_dir):
-    """Hold out_dir/.lock (created exclusively, holding our pid) for the duration; a lock whose
-    process is gone (a killed run) is taken over."""
+    """Hold an OS lock (flock) on out_dir/.lock for the duration. The kernel releases it when the
+    holder's process ends, however it ends (kill -9 included), so a killed run leaves no stale lock
+    and no pid is ever guessed at. The file stays (it names the last holder's pid, for the message):
+    removing it would let a run that opened it just before lock a file no longer in the folder."""
     if not out_dir or os.path.isfile(out_dir):
         raise UserError(f"out_dir={out_dir!r} is {'empty' if not out_dir else 'a file'}: give a folder for the run")
     try:
         os.makedirs(out_dir, exist_ok=True)
     except OSError as e:
         raise UserError(f"out_dir {out_dir} cannot be created ({e.strerror}): give a writable folder") from None
-    path = os.path.join(out_dir, ".lock")
-    for _ in range(2):
-        try:
-            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-            break
-        except FileExistsError:
-            pid = _read_pid(path)
-            if pid is not None and _alive(pid):
-                raise UserError(f"out_dir {out_dir} is in use by another run (pid {pid}): wait for it to end, or "
-                                "use another out_dir") from None
-            os.remove(path)  # the run that held it is gone
-        except OSError as e:
-            raise UserError(f"out_dir {out_dir} is not writable ({e.strerror}): give a writable folder") from None
-    else:
-        raise UserError(f"out_dir {out_dir}: another run is starting there at the same time: use another out_dir")
-    with os.fdopen(fd, "w") as f:
-        f.write(str(os.getpid()))
+    fd = _lock(os.path.join(out_dir, ".lock"), f"out_dir {out_dir}")
     try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
         yield
     finally:
-        with contextlib.suppress(OSError):
-            os.remove(path)
+        os.close(fd)  # releases the lock
 
 
-def _read_pid(path):
-    with contextlib.suppress(OSError, ValueError), open(path) as f:
-        return int(f.read().strip())
-    return None
-
-
-def _alive(pid):
+def _lock(path, what, shared=False, wait=False):
+    """An open fd of `path` holding its flock (exclusive, or shared); one line when it cannot be had."""
+    if os.path.isdir(path) or os.path.islink(path):
+        raise UserError(f"{path} is a {'directory' if os.path.isdir(path) else 'symbolic link'}, not a lock file: "
+                        "remove it (no run creates one)")
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return pid != os.getpid()
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+    except OSError as e:
+        raise UserError(f"{what} is not writable ({path}: {e.strerror}): give a writable folder") from None
+    try:
+        fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | (0 if wait else fcntl.LOCK_NB))
+    except BlockingIOError:
+        holder = " ".join(os.pread(fd, 32, 0).decode(errors="replace").split()) or "unknown"
+        os.close(fd)
+        raise UserError(f"{what} is in use by another run (pid {holder}): wait for it to end, or use "
+                        "another out_dir") from None
+    except OSError as e:  # e.g. a network filesystem without locks
+        os.close(fd)
+        raise UserError(f"{what}: {path} cannot be locked ({e.strerror}): use a local folder") from None
+    return fd
 
 
 @contextlib.contextmanager
@@ -263,49 +257,6 @@ def load_trainer(ckpt_dir, state, model, optimizer, teacher_model):
             raise UserError(f"{path} is missing: the checkpoint has no teacher to resume")
         load_model(teacher_model, path)
     return {k[4:]: v for k, v in tensors.items() if k.startswith("rng.")}
-
-
-# ----------------------------------------------------------------------------- the collapse guard
-class Collapse(Exception):
-    """Training diverged or collapsed; the last good checkpoint is kept."""
-
-
-def check_health(row, name, state, cfg):
-    """The collapse guard: for collapse_patience evals in a row, zero accuracy on the training set(s)
-    after they had been solved sometimes, or (nearly) empty responses -- a policy that stopped
-    answering. A healthy eval makes the checkpoint that follows it the run's last good one."""
-    own = [n for n in name.split("+") if n in row]
-    best = state.setdefault("best", {})
-    dead = own and ((max(row[n] for n in own) == 0 and max(best.get(n, 0) for n in own) > 0)
-                    or max(state["eval_len"][n] for n in own) < 2)
-    best.update({n: max(best.get(n, 0), v) for n, v in row.items()})
-    state["zero_acc_evals"] = state["zero_acc_evals"] + 1 if dead else 0
-    state["healthy_at"] = None if dead else {"iter": state["iter"], "acc": row}
-    if cfg["stop_on_collapse"] and state["zero_acc_evals"] >= cfg["collapse_patience"]:
-        raise Collapse(f"{name}: zero accuracy or empty responses for {state['zero_acc_evals']} evals in a row")
-
-
-RUNAWAY = 10  # a loss this many times its running median (+1) means the run diverged
-
-
-def check_step(loss, state, stop_on_collapse=True):
-    """Divergence the eval guard would see too late: a non-finite loss (always stops), or one far
-    above its running median of the last 20 iterations (stops with stop_on_collapse)."""
-    if not math.isfinite(loss):
-        raise Collapse(f"loss is {loss}")
-    recent = state["losses"][-20:]
-    if stop_on_collapse and len(recent) >= 10 and abs(loss) > RUNAWAY * statistics.median(map(abs, recent)) + 1:
-        raise Collapse(f"loss {loss:.4g} is far above its running median {statistics.median(recent):.4g} (diverging)")
-    state["losses"] = recent + [loss]
-
-
-def collapse_message(ckpt_dir, state, error):
-    """Where the run stopped and which checkpoint to go back to, truthfully."""
-    good = state["good"]
-    where = (f"{ckpt_dir}_good (iteration {good['iter']}, eval " + ", ".join(f"{k} {v:.3f}" for k, v in good["acc"].items())
-             + ")") if good else f"none: no checkpoint passed the guard yet (the run started from {state['base_init']})"
-    return (f"training stopped after {state['iter']} iterations: {error}. The last checkpoint that passed the collapse "
-            f"guard: {where}")
 
 
 # ----------------------------------------------------------------------------- resuming
