@@ -5,6 +5,7 @@ it is in metrics.py.)
 
     out_dir/
       .lock                 flock'd while a run writes here: a second run into the same folder stops
+      .ckpt.lock            flock'd while a checkpoint is written (eval.py waits on it to read one)
       log.jsonl             one record per iteration and per eval
       samples.jsonl         a few rollouts (prompt, response, reward, teacher prompt) per eval
       accuracy_matrix.json  every eval set after every stage (continual runs)
@@ -20,7 +21,9 @@ it is in metrics.py.)
 
 A checkpoint is written to ckpt.tmp (trainer/state.json last), then ckpt -> ckpt.old and
 ckpt.tmp -> ckpt, then ckpt.old is removed: a crash at any moment leaves a complete checkpoint
-under one of the three names, and recover() puts the newest complete one back at ckpt/.
+under one of the three names, and recover() puts the newest complete one back at ckpt/ (ckpt_good/
+is written the same way). A checkpoint is written holding out_dir/.ckpt.lock, which a reader
+(eval.py) holds shared while it loads one: it never sees one between its renames.
 """
 import contextlib
 import fcntl
@@ -93,7 +96,7 @@ def take_over(out_dir, resume, overwrite):
     back; a fresh run into an earlier run's folder refuses, unless told to overwrite it. Yields the
     notes to print."""
     with locked(out_dir):
-        notes = [recover(os.path.join(out_dir, "ckpt"))]
+        notes = [recover(os.path.join(out_dir, name)) for name in ("ckpt", "ckpt_good")]
         earlier = [] if resume else earlier_outputs(out_dir)
         if earlier and not overwrite:
             raise UserError(f"out_dir {out_dir} holds an earlier run ({', '.join(earlier)}): continue it with "
@@ -134,22 +137,71 @@ def complete(path):
     return os.path.exists(os.path.join(path, "trainer", "state.json"))
 
 
+def newest_complete(ckpt_dir):
+    """ckpt_dir when complete, else the complete ckpt.tmp (newer) or ckpt.old a crash between the
+    renames left, else None."""
+    return next((c for c in (ckpt_dir, ckpt_dir + ".tmp", ckpt_dir + ".old") if complete(c)), None)
+
+
 def recover(ckpt_dir):
-    """After a crash between a checkpoint's renames there is no complete ckpt/, but a complete
-    ckpt.tmp (newer) or ckpt.old: move the newest complete one back. Returns what it did, or None."""
-    if complete(ckpt_dir):
+    """After a crash between a checkpoint's renames (ckpt/ or ckpt_good/) there is no complete
+    ckpt_dir, but a complete .tmp or .old: move the newest complete one back. Returns what it did, or None."""
+    found = newest_complete(ckpt_dir)
+    if found in (None, ckpt_dir):
         return None
-    for candidate in (ckpt_dir + ".tmp", ckpt_dir + ".old"):
-        if complete(candidate):
-            shutil.rmtree(ckpt_dir, ignore_errors=True)
-            os.replace(candidate, ckpt_dir)
-            return f"recovered the checkpoint {ckpt_dir} from {os.path.basename(candidate)} (a crash between its renames)"
-    return None
+    shutil.rmtree(ckpt_dir, ignore_errors=True)
+    os.replace(found, ckpt_dir)
+    return f"recovered the checkpoint {ckpt_dir} from {os.path.basename(found)} (a crash between its renames)"
+
+
+def _swap_in(tmp, final):
+    """tmp (complete) becomes final: final -> final.old, tmp -> final, final.old removed. A crash at
+    any moment leaves a complete one under one of the three names, which recover() puts back."""
+    old = final + ".old"
+    shutil.rmtree(old, ignore_errors=True)
+    if os.path.exists(final):
+        os.replace(final, old)
+    os.replace(tmp, final)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def writing(ckpt_dir):
+    """Held (exclusive) while train.py writes a checkpoint, ckpt_good/ or a stage snapshot into the
+    run folder: a reader (eval.py, `reading`) never sees one between its renames."""
+    fd = _lock(os.path.join(os.path.dirname(os.path.abspath(ckpt_dir)), ".ckpt.lock"), "the run folder", wait=True)
+    try:
+        yield
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def reading(path):
+    """Held (shared) while a reader loads a checkpoint of a run folder: it waits while train.py is
+    writing one. A folder no run ever wrote a checkpoint into has no lock file: nothing to wait for."""
+    lock = os.path.join(os.path.dirname(os.path.abspath(path)), ".ckpt.lock")
+    try:
+        fd = os.open(lock, os.O_RDONLY)
+    except OSError:
+        yield
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        yield
+    finally:
+        os.close(fd)
 
 
 def save(ckpt_dir, *, model, tokenizer, optimizer, teacher_model, state, rng_tensors, save_dtype="float32"):
     """Write a checkpoint (layout in the module docstring) atomically."""
-    tmp, old = ckpt_dir + ".tmp", ckpt_dir + ".old"
+    with writing(ckpt_dir):
+        _write(ckpt_dir + ".tmp", model=model, tokenizer=tokenizer, optimizer=optimizer, teacher_model=teacher_model,
+               state=state, rng_tensors=rng_tensors, save_dtype=save_dtype)
+        _swap_in(ckpt_dir + ".tmp", ckpt_dir)
+
+
+def _write(tmp, *, model, tokenizer, optimizer, teacher_model, state, rng_tensors, save_dtype):
     shutil.rmtree(tmp, ignore_errors=True)
     dtype, weights, cast = getattr(torch, save_dtype), None, {}
     if dtype != torch.float32:  # cast each tensor once, so tied weights (embedding = LM head) stay one
@@ -173,12 +225,42 @@ def save(ckpt_dir, *, model, tokenizer, optimizer, teacher_model, state, rng_ten
         save_model(model, os.path.join(trainer, "model_fp32.safetensors"))
     with open(os.path.join(trainer, "state.json.tmp"), "w") as f:
         json.dump({**state, "param_groups": opt["param_groups"]}, f, indent=1)
+    umask_modes(tmp)
     os.replace(os.path.join(trainer, "state.json.tmp"), os.path.join(trainer, "state.json"))  # complete now
-    shutil.rmtree(old, ignore_errors=True)
-    if os.path.exists(ckpt_dir):
-        os.replace(ckpt_dir, old)
-    os.replace(tmp, ckpt_dir)
-    shutil.rmtree(old, ignore_errors=True)
+
+
+def write_json(path, obj):
+    """A JSON file written whole or not at all (a reader never sees half of it)."""
+    with open(path + ".tmp", "w") as f:
+        json.dump(obj, f, indent=1)
+    os.chmod(path + ".tmp", _file_mode())
+    os.replace(path + ".tmp", path)
+
+
+def save_snapshot(folder, ckpt_dir, model, tokenizer):
+    """A plain HF model folder (a stage's model), written as a checkpoint is: whole, or not there."""
+    with writing(ckpt_dir):
+        shutil.rmtree(folder + ".tmp", ignore_errors=True)
+        model.save_pretrained(folder + ".tmp")
+        tokenizer.save_pretrained(folder + ".tmp")
+        umask_modes(folder + ".tmp")
+        shutil.rmtree(folder, ignore_errors=True)
+        os.replace(folder + ".tmp", folder)
+
+
+def _file_mode():
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
+def umask_modes(folder):
+    """Give every file under folder the mode the umask gives a new file (0644 under umask 022):
+    safetensors writes its files 0600, which another user (or a serving process) cannot read."""
+    mode = _file_mode()
+    for root, _, files in os.walk(folder):
+        for name in files:
+            os.chmod(os.path.join(root, name), mode)
 
 
 def _set_config_dtype(path, dtype):
@@ -191,12 +273,15 @@ def _set_config_dtype(path, dtype):
 
 def keep_as_good(ckpt_dir, good_dir):
     """ckpt_good/ <- ckpt/ as hard links (checkpoint files are never modified in place), or copies
-    where the filesystem has no hard links."""
-    tmp = good_dir + ".tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    shutil.copytree(ckpt_dir, tmp, copy_function=_link_or_copy)
-    shutil.rmtree(good_dir, ignore_errors=True)
-    os.replace(tmp, good_dir)
+    where the filesystem has no hard links; written as a checkpoint is (trainer/state.json last into
+    ckpt_good.tmp, then swapped in), so recover() handles a crash here as it does in save()."""
+    tmp, state = good_dir + ".tmp", os.path.join("trainer", "state.json")
+    with writing(ckpt_dir):
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.copytree(ckpt_dir, tmp, copy_function=_link_or_copy,
+                        ignore=lambda d, names: ["state.json"] if os.path.basename(d) == "trainer" else [])
+        _link_or_copy(os.path.join(ckpt_dir, state), os.path.join(tmp, state))  # complete now
+        _swap_in(tmp, good_dir)
 
 
 def _link_or_copy(src, dst):

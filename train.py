@@ -1394,12 +1394,10 @@ def end_stage(run, cfg, ddp, stage, name):
     state["accuracy_matrix"]["stages"].append(name)
     state["accuracy_matrix"]["rows"].append([row[s] for s in run["eval_names"]])
     if ddp.master:
-        with open(os.path.join(cfg["out_dir"], "accuracy_matrix.json"), "w") as f:
-            json.dump(state["accuracy_matrix"], f, indent=1)
+        checkpoint.write_json(os.path.join(cfg["out_dir"], "accuracy_matrix.json"), state["accuracy_matrix"])
         if len(run["stages"]) > 1:
             snap = os.path.join(cfg["out_dir"], f"stage{stage + 1}_{name.replace('/', '_').replace('+', '_')}")
-            run["model"].save_pretrained(snap)
-            run["tokenizer"].save_pretrained(snap)
+            checkpoint.save_snapshot(snap, run["ckpt_dir"], run["model"], run["tokenizer"])
     state["stage"], state["stage_iter"] = stage + 1, 0
     save_checkpoint(run, cfg, ddp, passed=row if healthy else None)
 

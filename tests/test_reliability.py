@@ -40,10 +40,13 @@ def one_line_error(proc):
 
 
 def listing(folder):
-    """Every file under folder with its size and bytes' hash: 'nothing changed' means equal listings."""
+    """Every file under folder with its bytes' hash: 'nothing changed' means equal listings (the lock
+    files aside: .lock names the pid of the last run that held it)."""
     out = {}
     for root, _, files in os.walk(folder):
         for f in files:
+            if f in (".lock", ".ckpt.lock"):
+                continue
             path = os.path.join(root, f)
             with open(path, "rb") as fh:
                 out[os.path.relpath(path, folder)] = hash(fh.read())
