@@ -27,6 +27,7 @@ is written the same way). A checkpoint is written holding out_dir/.ckpt.lock, wh
 """
 import contextlib
 import fcntl
+import hashlib
 import json
 import os
 import re
@@ -299,14 +300,69 @@ def read_state(ckpt_dir):
         raise UserError(f"{ckpt_dir} is not a nanoSDPO checkpoint (no trainer/state.json): set out_dir to the run to "
                         "continue, or start a new run")
     try:
-        with open(path) as f:
+        with open(path, encoding="utf-8") as f:
             state = json.load(f)
     except ValueError as e:
         raise UserError(f"{path} is damaged ({e}): the checkpoint cannot be resumed") from None
+    check_state(state, path)
     for name in sorted(os.listdir(ckpt_dir)) + [os.path.join("trainer", n) for n in sorted(os.listdir(trainer))]:
         if name.endswith(".safetensors"):
             check_safetensors(os.path.join(ckpt_dir, name))
     return state
+
+
+# what resuming reads from state.json, by type (a dotted key is inside the one before its dot)
+STATE_TYPES = {"iter": int, "stage": int, "stage_iter": int, "world": int, "base_init": str, "config": dict,
+               "data_rng": list, "param_groups": list, "data": dict, "accuracy_matrix": dict,
+               "accuracy_matrix.eval_sets": list, "accuracy_matrix.stages": list, "accuracy_matrix.rows": list,
+               "accuracy_matrix.base": dict, "guard": dict, "guard.best": dict, "guard.good": dict,
+               "guard.bad_evals": int, "guard.losses": list}
+
+
+def check_state(state, path):
+    """A state.json that parses but is not one train.py wrote (a key missing, a wrong type, a
+    negative count) is one line, before anything is read from it or truncated by it."""
+    if not isinstance(state, dict):
+        raise UserError(f"{path} holds a {type(state).__name__}, not a checkpoint's state: the checkpoint cannot be resumed")
+    for key, kind in STATE_TYPES.items():
+        value = state
+        for part in key.split("."):
+            value = value.get(part) if isinstance(value, dict) else None
+        low = 1 if key == "world" else 0
+        if not isinstance(value, kind) or (kind is int and (isinstance(value, bool) or value < low)):
+            need = f"an int >= {low}" if kind is int else f"a {kind.__name__}"
+            what = "is missing" if value is None else f"is {repr(value)[:40]}, not {need}"
+            raise UserError(f"{path}: {key} {what} (damaged, or not written by this train.py): the checkpoint cannot "
+                            "be resumed; the previous one may be in ckpt_good/")
+
+
+def check_same_run(state, world, data):
+    """What else makes a resumed run the same run: as many ranks (each has its own sampling RNG in
+    the checkpoint), and the same data files (size and sha256, recorded at every save)."""
+    if state["world"] != world:
+        raise UserError(f"init_from=resume: the checkpoint was written by {state['world']} rank(s), this run has {world}: "
+                        f"resume with {state['world']} (each rank's sampling state is in the checkpoint)")
+    for key in sorted(state["data"].keys() & data.keys()):
+        if state["data"][key] != data[key]:
+            raise UserError(f"init_from=resume: {key} in data_dir is not the file this run trained on (size "
+                            f"{state['data'][key].get('size')} -> {data[key]['size']} bytes, another sha256): point "
+                            "--data_dir at the run's data, or start a new out_dir")
+
+
+def fingerprints(data_dir, names_and_splits):
+    """{'<set>/<split>.jsonl': {'size', 'sha256'}} of the data files a run reads ('a+b' is two sets)."""
+    out = {}
+    for name, split in names_and_splits:
+        for part in name.split("+"):
+            key = f"{part}/{split}.jsonl"
+            path = os.path.join(data_dir, key)
+            if key not in out and os.path.isfile(path):
+                digest = hashlib.sha256()
+                with open(path, "rb") as f:
+                    for block in iter(lambda: f.read(1 << 20), b""):  # noqa: B023
+                        digest.update(block)
+                out[key] = {"size": os.path.getsize(path), "sha256": digest.hexdigest()}
+    return out
 
 
 def check_safetensors(path):

@@ -584,7 +584,8 @@ def own_report(path):
             obj = json.load(f)
     except (OSError, ValueError):
         return False
-    return isinstance(obj, dict) and (obj.get("written_by") == REPORT_MARK or {"config", "model", "eval_sets", "ks"} <= set(obj))
+    earlier_version = {"config", "model", "eval_sets", "ks"}  # its keys, before the mark
+    return isinstance(obj, dict) and (obj.get("written_by") == REPORT_MARK or earlier_version <= set(obj))
 
 
 def load(init, run_cfg, dev):

@@ -1242,6 +1242,8 @@ def setup(cfg, ddp, stack):
     wandb = require("wandb", "wandb_log=True") if cfg["wandb_log"] and ddp.master else None  # optional packages
     if cfg["math_checker"] == "math_verify":
         require("math_verify", "math_checker=math_verify", "math-verify")
+    data_files = checkpoint.fingerprints(cfg["data_dir"], [(n, "train") for n in train_tasks] +
+                                         [(n, "test") for n in eval_tasks])  # a resumed run checks its data
     state = {"iter": 0, "stage": 0, "stage_iter": 0, "accuracy_matrix": None, "base_init": cfg["init_from"]}
     guard = None  # the collapse guard's memory: a fresh run's starts at its first eval (train_loop)
     log = metrics.RunLog(out_dir, cfg["log_jsonl"], None, ddp.master)
@@ -1255,11 +1257,18 @@ def setup(cfg, ddp, stack):
             log.say(note)
     ddp.barrier()
     if resume:
-        saved = checkpoint.read_state(ckpt_dir)
-        state.update({k: v for k, v in saved.items() if k not in ("param_groups", "guard")})
+        saved = checkpoint.read_state(ckpt_dir)  # a damaged or foreign state.json is one line, before any change
+        checkpoint.check_same_run(saved, ddp.world, data_files)
+        state.update({k: v for k, v in saved.items() if k not in ("param_groups", "guard", "world", "data")})
         guard = metrics.Guard(**saved["guard"])
         checkpoint.check_resume(saved["config"], cfg, parse_stages(saved["config"]["stages"], saved["config"]["dataset"],
                                 saved["config"]["max_iters"]), stages, state)
+        if state["accuracy_matrix"]["eval_sets"] != eval_names:  # a stage added on resume: its set is not a column
+            added = [n for n in eval_names if n not in state["accuracy_matrix"]["eval_sets"]]
+            eval_names = state["accuracy_matrix"]["eval_sets"]
+            eval_tasks = {n: eval_tasks[n] for n in eval_names}
+            log.say(f"note: the accuracy matrix keeps this run's eval sets ({', '.join(eval_names)}); {', '.join(added)} "
+                    "is not scored (give eval_sets in a new run to measure every set)")
         model, tokenizer = load_model(ckpt_dir, dev, scratch=cfg)
         fit_prompts(train_tasks, eval_tasks, model, tokenizer, cfg, log)
     if not has_chat_template(tokenizer):
@@ -1289,13 +1298,15 @@ def setup(cfg, ddp, stack):
         generator.set_state(rng[f"sampling.{ddp.rank}"])
         data_rng.setstate(tuple(tuple(x) if isinstance(x, list) else x for x in state["data_rng"]))
         if ddp.master:
-            checkpoint.truncate_log(os.path.join(out_dir, "log.jsonl"), state["iter"])
+            for name in ("log.jsonl", "samples.jsonl"):  # the iterations after the checkpoint are redone
+                checkpoint.truncate_log(os.path.join(out_dir, name), state["iter"])
         log.say(f"resumed from {ckpt_dir} at iteration {state['iter']} (stage {state['stage']}, step {state['stage_iter']})")
     if wandb:
         log.wandb = wandb.init(project=cfg["wandb_project"], name=cfg["wandb_run_name"], config=cfg)
     return dict(stages=stages, eval_names=eval_names, train_tasks=train_tasks, eval_tasks=eval_tasks, log=log,
-                ckpt_dir=ckpt_dir, state=state, guard=guard, model=model, tokenizer=tokenizer,
-                initial_model=initial_model, teacher_model=teacher_model, optimizer=optimizer, generator=generator, data_rng=data_rng)
+                ckpt_dir=ckpt_dir, state=state, guard=guard, data_files=data_files, model=model, tokenizer=tokenizer,
+                initial_model=initial_model, teacher_model=teacher_model, optimizer=optimizer, generator=generator,
+                data_rng=data_rng)
 
 
 def fit_prompts(train_tasks, eval_tasks, model, tokenizer, cfg, log):
@@ -1369,7 +1380,8 @@ def save_checkpoint(run, cfg, ddp, passed=None):
         state["data_rng"] = run["data_rng"].getstate()
         checkpoint.save(run["ckpt_dir"], model=model, tokenizer=run["tokenizer"], optimizer=run["optimizer"],
                         teacher_model=run["teacher_model"], save_dtype=cfg["save_dtype"],
-                        state={**state, "guard": asdict(guard), "config": cfg},
+                        state={**state, "guard": asdict(guard), "world": ddp.world, "data": run["data_files"],
+                               "config": cfg},
                         rng_tensors={f"sampling.{r}": g for r, g in enumerate(rng_states)})
         if passed is not None:
             checkpoint.keep_as_good(run["ckpt_dir"], run["ckpt_dir"] + "_good")

@@ -279,7 +279,7 @@ def test_resume_refuses_a_changed_run_naming_the_key(finished_run, tmp_path, cha
 def test_resume_can_extend_a_finished_run_and_redoes_nothing(finished_run, tmp_path, toy_data):
     """max_iters 2 -> 4 on a finished run trains iterations 3 and 4; the log keeps one record per
     iteration (records after the checkpoint -- here fakes -- are dropped); the accuracy matrix
-    has one row for the (reopened) stage; an extra stage can follow."""
+    has one row for the (reopened) stage; an extra stage can follow, its rows as wide as the others."""
     out = copy_of(finished_run, tmp_path)
     with open(out / "log.jsonl", "a") as f:
         f.write(json.dumps({"iter": 3, "loss": -1.0}) + "\n" + '{"iter": 4, "lo')  # after the checkpoint, half-written
@@ -290,7 +290,9 @@ def test_resume_can_extend_a_finished_run_and_redoes_nothing(finished_run, tmp_p
         assert json.load(f)["stages"] == ["toy/add"]
     train.main(tiny_cfg(toy_data, out, init_from="resume", stages="toy/add:4,toy/sub:1"))
     with open(out / "accuracy_matrix.json") as f:
-        assert json.load(f)["stages"] == ["toy/add", "toy/sub"]
+        matrix = json.load(f)
+    assert matrix["stages"] == ["toy/add", "toy/sub"] and matrix["eval_sets"] == ["toy/add"]
+    assert [len(row) for row in matrix["rows"]] == [1, 1]  # the added stage's set is no new (ragged) column
 
 
 # ----------------------------------------------------------------------------- 4. every bad input is one line

@@ -14,8 +14,8 @@ import time
 import pytest
 import torch
 
-from conftest import ROOT
-from test_reliability import one_line_error, tiny_cfg
+from conftest import ROOT, read_log
+from test_reliability import cli_cfg, listing, one_line_error, tiny_cfg
 
 import checkpoint
 import eval as ev
@@ -182,3 +182,95 @@ def test_eval_reads_a_damaged_run_file_as_one_line(finished_run, tmp_path, damag
     with pytest.raises(train.UserError) as e:
         ev.main(eval_cfg(run_dir=str(run)))
     assert str(target) in str(e.value) and "\n" not in str(e.value)
+
+
+# ----------------------------------------------------------------------------- resume: crashes, damage, another run
+def _crash_at(k, fn, *args):
+    """Run fn(*args) in this (forked) process, killed with SIGKILL just before its (k+1)-th change
+    to the disk: a rename, link, mkdir, unlink or rmdir."""
+    calls = [0]
+
+    def counted(real):
+        def wrapper(*a, **kw):
+            calls[0] += 1
+            if calls[0] > k:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return real(*a, **kw)
+        return wrapper
+    for name in ("replace", "link", "mkdir", "unlink", "rmdir"):
+        setattr(os, name, counted(getattr(os, name)))
+    fn(*args)
+
+
+def test_a_kill_at_any_point_of_keep_as_good_leaves_a_ckpt_good_that_the_next_start_recovers(finished_run, tmp_path):
+    ctx = multiprocessing.get_context("fork")
+    for k in range(500):
+        run = tmp_path / f"k{k}"
+        shutil.copytree(finished_run, run)
+        ckpt, good = run / "ckpt", run / "ckpt_good"
+        state = json.loads((good / "trainer" / "state.json").read_text())
+        (good / "trainer" / "state.json").unlink()  # the earlier ckpt_good: the same files, iteration 1
+        (good / "trainer" / "state.json").write_text(json.dumps(dict(state, iter=1)))
+        child = ctx.Process(target=_crash_at, args=(k, checkpoint.keep_as_good, str(ckpt), str(good)))
+        child.start()
+        child.join(60)
+        with checkpoint.take_over(str(run), resume=True, overwrite=False):
+            pass  # recovers ckpt/ and ckpt_good/
+        assert checkpoint.read_state(str(good))["iter"] in (1, 2), k  # complete, every file sound: old or new
+        if child.exitcode == 0:
+            assert checkpoint.read_state(str(good))["iter"] == 2 and k > 5
+            break
+        assert child.exitcode == -signal.SIGKILL
+    else:
+        pytest.fail("keep_as_good never finished")
+
+
+def resumed(run, *args):
+    return train.main(cli_cfg(f"--out_dir={run}", "--init_from=resume", *args))
+
+
+def test_a_resume_drops_the_samples_after_its_checkpoint_as_it_does_log_rows(toy_data, tmp_path):
+    run = tmp_path / "run"
+    train.main(tiny_cfg(toy_data, run, algo="grpo"))  # 2 iterations: samples at the end of the stage
+    fake = "from a run killed after its checkpoint"
+    with open(run / "samples.jsonl", "a") as f:
+        f.write(json.dumps({"iter": 3, "prompt": fake, "response": ""}) + "\n" + '{"iter": 4, "pro')
+    train.main(tiny_cfg(toy_data, run, algo="grpo", init_from="resume", max_iters=3))
+    rows = [json.loads(line) for line in (run / "samples.jsonl").read_text().splitlines()]
+    assert {r["iter"] for r in rows} == {2, 3} and all(r["prompt"] != fake for r in rows)
+
+
+@pytest.mark.parametrize("edit,expect", [
+    (lambda s: s.pop("iter"), "iter is missing"),
+    (lambda s: s.update(iter=-7), "iter is -7, not an int >= 0"),
+    (lambda s: s.update(iter="3"), "iter is '3', not an int >= 0"),
+    (lambda s: s.pop("guard"), "guard is missing"),
+    (lambda s: s["guard"].update(best=[0.5]), "guard.best is [0.5], not a dict"),
+    (lambda s: s.update(world=2), "written by 2 rank(s), this run has 1"),
+])
+def test_a_state_json_that_parses_but_is_not_this_runs_is_one_line_and_truncates_nothing(finished_run, tmp_path, edit,
+                                                                                          expect):
+    run = copy_of(finished_run, tmp_path)
+    path = run / "ckpt" / "trainer" / "state.json"
+    state = json.loads(path.read_text())
+    edit(state)
+    path.write_text(json.dumps(state))
+    with open(run / "log.jsonl", "a") as f:  # rows after the checkpoint: a resume would drop them, a refusal must not
+        f.write(json.dumps({"iter": 3, "loss": 1.0}) + "\n")
+    before = listing(run)
+    with pytest.raises(train.UserError) as e:
+        resumed(run, "--max_iters=3")
+    assert expect in str(e.value) and "\n" not in str(e.value)
+    assert listing(run) == before
+
+
+def test_a_resume_on_other_data_is_refused_naming_the_file(finished_run, tmp_path):
+    run, data = copy_of(finished_run, tmp_path), tmp_path / "data"
+    shutil.copytree(os.path.join(ROOT, "data", "toy", "add"), data / "toy" / "add")
+    lines = (data / "toy" / "add" / "train.jsonl").read_text().splitlines(keepends=True)
+    (data / "toy" / "add" / "train.jsonl").write_text("".join(lines[:-1]))  # one record fewer
+    with pytest.raises(train.UserError, match=r"toy/add/train.jsonl in data_dir is not the file this run trained on"):
+        resumed(run, "--max_iters=3", f"--data_dir={data}")
+    (data / "toy" / "add" / "train.jsonl").write_text("".join(lines))  # the same data elsewhere: data_dir may move
+    resumed(run, "--max_iters=3", f"--data_dir={data}")
+    assert [r["iter"] for r in read_log(run) if "loss" in r] == [1, 2, 3]
