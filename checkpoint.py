@@ -196,10 +196,38 @@ def reading(path):
 
 def save(ckpt_dir, *, model, tokenizer, optimizer, teacher_model, state, rng_tensors, save_dtype="float32"):
     """Write a checkpoint (layout in the module docstring) atomically."""
-    with writing(ckpt_dir):
+    # the space it needs: the previous checkpoint's, or the weights, AdamW's two moments and the teacher
+    needed = _folder_bytes(ckpt_dir) or sum(p.numel() * p.element_size() for m in (model, model, model, teacher_model)
+                                            if m is not None for p in m.parameters())
+    with writing(ckpt_dir), disk_errors(ckpt_dir + ".tmp", needed, keeps=ckpt_dir):
         _write(ckpt_dir + ".tmp", model=model, tokenizer=tokenizer, optimizer=optimizer, teacher_model=teacher_model,
                state=state, rng_tensors=rng_tensors, save_dtype=save_dtype)
         _swap_in(ckpt_dir + ".tmp", ckpt_dir)
+
+
+@contextlib.contextmanager
+def disk_errors(path, needed=0, keeps=None):
+    """A full or read-only disk while writing `path` (a file, or a folder written as path.tmp and
+    renamed) is one line naming it, the space there and needed, and what still holds the previous
+    version; what was written of it is removed, to give the space back."""
+    try:
+        yield
+    except OSError as e:
+        partial = path if path.endswith(".tmp") else path + ".tmp"
+        shutil.rmtree(partial, ignore_errors=True)  # a folder
+        with contextlib.suppress(OSError):
+            os.remove(partial)  # a file
+        space = ""
+        with contextlib.suppress(OSError):
+            free = shutil.disk_usage(os.path.dirname(os.path.abspath(path))).free
+            space = f"; {free / 1e6:.0f} MB free there" + (f", about {needed / 1e6:.0f} MB needed" if needed else "")
+        kept = f"; {keeps} still holds the previous one" if keeps and os.path.exists(keeps) else ""
+        raise UserError(f"cannot write {path} ({e.strerror or e}{space}){kept}: free space (or make it writable), then "
+                        "continue with --init_from=resume") from None
+
+
+def _folder_bytes(folder):
+    return sum(os.path.getsize(os.path.join(root, f)) for root, _, files in os.walk(folder) for f in files)
 
 
 def _write(tmp, *, model, tokenizer, optimizer, teacher_model, state, rng_tensors, save_dtype):
@@ -232,15 +260,16 @@ def _write(tmp, *, model, tokenizer, optimizer, teacher_model, state, rng_tensor
 
 def write_json(path, obj):
     """A JSON file written whole or not at all (a reader never sees half of it)."""
-    with open(path + ".tmp", "w") as f:
-        json.dump(obj, f, indent=1)
-    os.chmod(path + ".tmp", _file_mode())
-    os.replace(path + ".tmp", path)
+    with disk_errors(path):
+        with open(path + ".tmp", "w") as f:
+            json.dump(obj, f, indent=1)
+        os.chmod(path + ".tmp", _file_mode())
+        os.replace(path + ".tmp", path)
 
 
 def save_snapshot(folder, ckpt_dir, model, tokenizer):
     """A plain HF model folder (a stage's model), written as a checkpoint is: whole, or not there."""
-    with writing(ckpt_dir):
+    with writing(ckpt_dir), disk_errors(folder + ".tmp", _folder_bytes(ckpt_dir)):
         shutil.rmtree(folder + ".tmp", ignore_errors=True)
         model.save_pretrained(folder + ".tmp")
         tokenizer.save_pretrained(folder + ".tmp")
@@ -277,7 +306,7 @@ def keep_as_good(ckpt_dir, good_dir):
     where the filesystem has no hard links; written as a checkpoint is (trainer/state.json last into
     ckpt_good.tmp, then swapped in), so recover() handles a crash here as it does in save()."""
     tmp, state = good_dir + ".tmp", os.path.join("trainer", "state.json")
-    with writing(ckpt_dir):
+    with writing(ckpt_dir), disk_errors(tmp, _folder_bytes(ckpt_dir), keeps=good_dir):
         shutil.rmtree(tmp, ignore_errors=True)
         shutil.copytree(ckpt_dir, tmp, copy_function=_link_or_copy,
                         ignore=lambda d, names: ["state.json"] if os.path.basename(d) == "trainer" else [])

@@ -25,6 +25,8 @@ import statistics
 
 import torch
 
+from configurator import UserError
+
 TOKEN_SUMS = ("tokens", "ratio_sum", "clipped", "kl_sampler_sum", "entropy_sum", "distill_tokens", "div_sum",
               "topk_mass_sum", "logratio_ok_sum", "logratio_ok_n", "logratio_failed_sum", "logratio_failed_n")
 STUCK_ITERS = 5  # iterations in a row before "nothing is learning" is said out loud
@@ -51,8 +53,13 @@ class RunLog:
             self._append("samples.jsonl", rows)
 
     def _append(self, name, records):
-        with open(os.path.join(self.out_dir, name), "a") as f:
-            f.writelines(json.dumps(r) + "\n" for r in records)
+        path = os.path.join(self.out_dir, name)
+        try:
+            with open(path, "a") as f:
+                f.writelines(json.dumps(r) + "\n" for r in records)
+        except OSError as e:  # a full or read-only disk (a half-written line is dropped on resume)
+            raise UserError(f"cannot write {path} ({e.strerror or e}): free space (or make it writable), then continue "
+                            "with --init_from=resume") from None
 
 
 def token_sums(stats, old_logp, div_rows, success, clip_low, clip_high):

@@ -1,6 +1,7 @@
 """The run folder under races and odd states: one holder of out_dir's lock at a time, a lock that
 dies with its process, eval.py that never overwrites what it did not write and reads a checkpoint
 consistently while a run saves one."""
+import errno
 import json
 import multiprocessing
 import os
@@ -274,3 +275,56 @@ def test_a_resume_on_other_data_is_refused_naming_the_file(finished_run, tmp_pat
     (data / "toy" / "add" / "train.jsonl").write_text("".join(lines))  # the same data elsewhere: data_dir may move
     resumed(run, "--max_iters=3", f"--data_dir={data}")
     assert [r["iter"] for r in read_log(run) if "loss" in r] == [1, 2, 3]
+
+
+# ----------------------------------------------------------------------------- a full or read-only disk
+@pytest.mark.parametrize("error", [errno.ENOSPC, errno.EROFS])
+def test_a_full_or_read_only_disk_while_saving_is_one_line_and_loses_nothing(toy_data, tmp_path, monkeypatch, error):
+    """The optimizer file of the second checkpoint fails to write: one line naming the folder, the
+    space; ckpt/ still holds the first checkpoint (iteration 2), nothing half-written stays, and the
+    run continues from it once the disk is back."""
+    run, real, calls = tmp_path / "run", checkpoint.save_file, []
+
+    def failing(tensors, path, *a, **kw):
+        calls.append(path)
+        if len(calls) == 3:  # iteration 0 (the initial model), iteration 2, then iteration 4
+            raise OSError(error, os.strerror(error))
+        return real(tensors, path, *a, **kw)
+    monkeypatch.setattr(checkpoint, "save_file", failing)
+    with pytest.raises(train.UserError) as e:
+        train.main(tiny_cfg(toy_data, run, max_iters=6, save_interval=2))
+    msg = str(e.value)
+    assert f"cannot write {run / 'ckpt.tmp'} ({os.strerror(error)};" in msg and "MB free there, about" in msg
+    assert f"{run / 'ckpt'} still holds the previous one" in msg and "\n" not in msg
+    assert checkpoint.read_state(str(run / "ckpt"))["iter"] == 2 and not (run / "ckpt.tmp").exists()
+    monkeypatch.setattr(checkpoint, "save_file", real)
+    train.main(tiny_cfg(toy_data, run, max_iters=6, save_interval=2, init_from="resume"))
+    assert [r["iter"] for r in read_log(run) if "loss" in r] == [1, 2, 3, 4, 5, 6]
+
+
+def test_a_full_disk_while_logging_is_one_line(tmp_path, monkeypatch):
+    import builtins
+    import metrics
+    real_open = builtins.open
+
+    def full(path, mode="r", *a, **kw):
+        if str(path).endswith("log.jsonl") and "a" in mode:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_open(path, mode, *a, **kw)
+    monkeypatch.setattr(builtins, "open", full)
+    with pytest.raises(UserError, match=f"^cannot write {tmp_path / 'log.jsonl'} \\(No space left on device\\)"):
+        metrics.RunLog(str(tmp_path), True, None, True).record({"iter": 1})
+
+
+# ----------------------------------------------------------------------------- file modes
+def test_checkpoint_files_get_the_umasks_mode_like_every_other_file(tmp_path, toy_data):
+    """safetensors writes 0600; a checkpoint (and ckpt_good, a stage snapshot) is 0644 under umask 022."""
+    old = os.umask(0o022)
+    try:
+        run = tmp_path / "run"
+        train.main(tiny_cfg(toy_data, run, stages="toy/add:1,toy/sub:1"))
+    finally:
+        os.umask(old)
+    folders = [run / "ckpt", run / "ckpt_good", run / "stage1_toy_add"]
+    modes = {p.relative_to(run): oct(p.stat().st_mode & 0o777) for f in folders for p in f.rglob("*") if p.is_file()}
+    assert any(str(p).endswith("optimizer.safetensors") for p in modes) and set(modes.values()) == {"0o644"}, modes
