@@ -1,9 +1,11 @@
 """
-The run folder: what train.py keeps in out_dir, and how it survives crashes, collapses (the collapse
-guard is here: it decides which checkpoint is a good one), a second run and a changed config.
+The run folder: what train.py keeps in out_dir, and how it survives crashes, a second run and a
+changed config. (The collapse guard, which decides which checkpoint is a good one, watches training:
+it is in metrics.py.)
 
     out_dir/
-      .lock                 held while a run writes here: a second run into the same folder stops
+      .lock                 flock'd while a run writes here: a second run into the same folder stops
+      .ckpt.lock            flock'd while a checkpoint is written (eval.py waits on it to read one)
       log.jsonl             one record per iteration and per eval
       samples.jsonl         a few rollouts (prompt, response, reward, teacher prompt) per eval
       accuracy_matrix.json  every eval set after every stage (continual runs)
@@ -14,19 +16,22 @@ guard is here: it decides which checkpoint is a good one), a second run and a ch
         trainer/            what resuming needs besides: state.json (iteration, stage, config, data
                             order), optimizer.safetensors (+ every rank's sampling RNG),
                             teacher.safetensors, model_fp32.safetensors (when the export is bf16)
-      ckpt_good/            the last checkpoint whose eval passed the collapse guard (hard links)
+      ckpt_good/            the last checkpoint whose eval passed the collapse guard (hard links); until
+                            one passes, the initial model (a fresh run saves it before its first step)
 
 A checkpoint is written to ckpt.tmp (trainer/state.json last), then ckpt -> ckpt.old and
 ckpt.tmp -> ckpt, then ckpt.old is removed: a crash at any moment leaves a complete checkpoint
-under one of the three names, and recover() puts the newest complete one back at ckpt/.
+under one of the three names, and recover() puts the newest complete one back at ckpt/ (ckpt_good/
+is written the same way). A checkpoint is written holding out_dir/.ckpt.lock, which a reader
+(eval.py) holds shared while it loads one: it never sees one between its renames.
 """
 import contextlib
+import fcntl
+import hashlib
 import json
-import math
 import os
 import re
 import shutil
-import statistics
 import struct
 
 import torch
@@ -45,52 +50,45 @@ RESUMABLE = {"out_dir", "init_from", "data_dir", "tokenizer_path", "device", "dt
 # ----------------------------------------------------------------------------- the folder
 @contextlib.contextmanager
 def locked(out_dir):
-    """Hold out_dir/.lock (created exclusively, holding our pid) for the duration; a lock whose
-    process is gone (a killed run) is taken over."""
+    """Hold an OS lock (flock) on out_dir/.lock for the duration. The kernel releases it when the
+    holder's process ends, however it ends (kill -9 included), so a killed run leaves no stale lock
+    and no pid is ever guessed at. The file stays (it names the last holder's pid, for the message):
+    removing it would let a run that opened it just before lock a file no longer in the folder."""
     if not out_dir or os.path.isfile(out_dir):
         raise UserError(f"out_dir={out_dir!r} is {'empty' if not out_dir else 'a file'}: give a folder for the run")
     try:
         os.makedirs(out_dir, exist_ok=True)
     except OSError as e:
         raise UserError(f"out_dir {out_dir} cannot be created ({e.strerror}): give a writable folder") from None
-    path = os.path.join(out_dir, ".lock")
-    for _ in range(2):
-        try:
-            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-            break
-        except FileExistsError:
-            pid = _read_pid(path)
-            if pid is not None and _alive(pid):
-                raise UserError(f"out_dir {out_dir} is in use by another run (pid {pid}): wait for it to end, or "
-                                "use another out_dir") from None
-            os.remove(path)  # the run that held it is gone
-        except OSError as e:
-            raise UserError(f"out_dir {out_dir} is not writable ({e.strerror}): give a writable folder") from None
-    else:
-        raise UserError(f"out_dir {out_dir}: another run is starting there at the same time: use another out_dir")
-    with os.fdopen(fd, "w") as f:
-        f.write(str(os.getpid()))
+    fd = _lock(os.path.join(out_dir, ".lock"), f"out_dir {out_dir}")
     try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
         yield
     finally:
-        with contextlib.suppress(OSError):
-            os.remove(path)
+        os.close(fd)  # releases the lock
 
 
-def _read_pid(path):
-    with contextlib.suppress(OSError, ValueError), open(path) as f:
-        return int(f.read().strip())
-    return None
-
-
-def _alive(pid):
+def _lock(path, what, shared=False, wait=False):
+    """An open fd of `path` holding its flock (exclusive, or shared); one line when it cannot be had."""
+    if os.path.isdir(path) or os.path.islink(path):
+        raise UserError(f"{path} is a {'directory' if os.path.isdir(path) else 'symbolic link'}, not a lock file: "
+                        "remove it (no run creates one)")
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return pid != os.getpid()
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+    except OSError as e:
+        raise UserError(f"{what} is not writable ({path}: {e.strerror}): give a writable folder") from None
+    try:
+        fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | (0 if wait else fcntl.LOCK_NB))
+    except BlockingIOError:
+        holder = " ".join(os.pread(fd, 32, 0).decode(errors="replace").split()) or "unknown"
+        os.close(fd)
+        raise UserError(f"{what} is in use by another run (pid {holder}): wait for it to end, or use "
+                        "another out_dir") from None
+    except OSError as e:  # e.g. a network filesystem without locks
+        os.close(fd)
+        raise UserError(f"{what}: {path} cannot be locked ({e.strerror}): use a local folder") from None
+    return fd
 
 
 @contextlib.contextmanager
@@ -99,7 +97,7 @@ def take_over(out_dir, resume, overwrite):
     back; a fresh run into an earlier run's folder refuses, unless told to overwrite it. Yields the
     notes to print."""
     with locked(out_dir):
-        notes = [recover(os.path.join(out_dir, "ckpt"))]
+        notes = [recover(os.path.join(out_dir, name)) for name in ("ckpt", "ckpt_good")]
         earlier = [] if resume else earlier_outputs(out_dir)
         if earlier and not overwrite:
             raise UserError(f"out_dir {out_dir} holds an earlier run ({', '.join(earlier)}): continue it with "
@@ -140,22 +138,99 @@ def complete(path):
     return os.path.exists(os.path.join(path, "trainer", "state.json"))
 
 
+def newest_complete(ckpt_dir):
+    """ckpt_dir when complete, else the complete ckpt.tmp (newer) or ckpt.old a crash between the
+    renames left, else None."""
+    return next((c for c in (ckpt_dir, ckpt_dir + ".tmp", ckpt_dir + ".old") if complete(c)), None)
+
+
 def recover(ckpt_dir):
-    """After a crash between a checkpoint's renames there is no complete ckpt/, but a complete
-    ckpt.tmp (newer) or ckpt.old: move the newest complete one back. Returns what it did, or None."""
-    if complete(ckpt_dir):
+    """After a crash between a checkpoint's renames (ckpt/ or ckpt_good/) there is no complete
+    ckpt_dir, but a complete .tmp or .old: move the newest complete one back. Returns what it did, or None."""
+    found = newest_complete(ckpt_dir)
+    if found in (None, ckpt_dir):
         return None
-    for candidate in (ckpt_dir + ".tmp", ckpt_dir + ".old"):
-        if complete(candidate):
-            shutil.rmtree(ckpt_dir, ignore_errors=True)
-            os.replace(candidate, ckpt_dir)
-            return f"recovered the checkpoint {ckpt_dir} from {os.path.basename(candidate)} (a crash between its renames)"
-    return None
+    shutil.rmtree(ckpt_dir, ignore_errors=True)
+    os.replace(found, ckpt_dir)
+    return f"recovered the checkpoint {ckpt_dir} from {os.path.basename(found)} (a crash between its renames)"
+
+
+def _swap_in(tmp, final):
+    """tmp (complete) becomes final: final -> final.old, tmp -> final, final.old removed. A crash at
+    any moment leaves a complete one under one of the three names, which recover() puts back."""
+    old = final + ".old"
+    shutil.rmtree(old, ignore_errors=True)
+    if os.path.exists(final):
+        os.replace(final, old)
+    os.replace(tmp, final)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def writing(ckpt_dir):
+    """Held (exclusive) while train.py writes a checkpoint, ckpt_good/ or a stage snapshot into the
+    run folder: a reader (eval.py, `reading`) never sees one between its renames."""
+    fd = _lock(os.path.join(os.path.dirname(os.path.abspath(ckpt_dir)), ".ckpt.lock"), "the run folder", wait=True)
+    try:
+        yield
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def reading(path):
+    """Held (shared) while a reader loads a checkpoint of a run folder: it waits while train.py is
+    writing one. A folder no run ever wrote a checkpoint into has no lock file: nothing to wait for."""
+    lock = os.path.join(os.path.dirname(os.path.abspath(path)), ".ckpt.lock")
+    try:
+        fd = os.open(lock, os.O_RDONLY)
+    except OSError:
+        yield
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        yield
+    finally:
+        os.close(fd)
 
 
 def save(ckpt_dir, *, model, tokenizer, optimizer, teacher_model, state, rng_tensors, save_dtype="float32"):
     """Write a checkpoint (layout in the module docstring) atomically."""
-    tmp, old = ckpt_dir + ".tmp", ckpt_dir + ".old"
+    # the space it needs: the previous checkpoint's, or the weights, AdamW's two moments and the teacher
+    needed = _folder_bytes(ckpt_dir) or sum(p.numel() * p.element_size() for m in (model, model, model, teacher_model)
+                                            if m is not None for p in m.parameters())
+    with writing(ckpt_dir), disk_errors(ckpt_dir + ".tmp", needed, keeps=ckpt_dir):
+        _write(ckpt_dir + ".tmp", model=model, tokenizer=tokenizer, optimizer=optimizer, teacher_model=teacher_model,
+               state=state, rng_tensors=rng_tensors, save_dtype=save_dtype)
+        _swap_in(ckpt_dir + ".tmp", ckpt_dir)
+
+
+@contextlib.contextmanager
+def disk_errors(path, needed=0, keeps=None):
+    """A full or read-only disk while writing `path` (a file, or a folder written as path.tmp and
+    renamed) is one line naming it, the space there and needed, and what still holds the previous
+    version; what was written of it is removed, to give the space back."""
+    try:
+        yield
+    except OSError as e:
+        partial = path if path.endswith(".tmp") else path + ".tmp"
+        shutil.rmtree(partial, ignore_errors=True)  # a folder
+        with contextlib.suppress(OSError):
+            os.remove(partial)  # a file
+        space = ""
+        with contextlib.suppress(OSError):
+            free = shutil.disk_usage(os.path.dirname(os.path.abspath(path))).free
+            space = f"; {free / 1e6:.0f} MB free there" + (f", about {needed / 1e6:.0f} MB needed" if needed else "")
+        kept = f"; {keeps} still holds the previous one" if keeps and os.path.exists(keeps) else ""
+        raise UserError(f"cannot write {path} ({e.strerror or e}{space}){kept}: free space (or make it writable), then "
+                        "continue with --init_from=resume") from None
+
+
+def _folder_bytes(folder):
+    return sum(os.path.getsize(os.path.join(root, f)) for root, _, files in os.walk(folder) for f in files)
+
+
+def _write(tmp, *, model, tokenizer, optimizer, teacher_model, state, rng_tensors, save_dtype):
     shutil.rmtree(tmp, ignore_errors=True)
     dtype, weights, cast = getattr(torch, save_dtype), None, {}
     if dtype != torch.float32:  # cast each tensor once, so tied weights (embedding = LM head) stay one
@@ -179,12 +254,43 @@ def save(ckpt_dir, *, model, tokenizer, optimizer, teacher_model, state, rng_ten
         save_model(model, os.path.join(trainer, "model_fp32.safetensors"))
     with open(os.path.join(trainer, "state.json.tmp"), "w") as f:
         json.dump({**state, "param_groups": opt["param_groups"]}, f, indent=1)
+    umask_modes(tmp)
     os.replace(os.path.join(trainer, "state.json.tmp"), os.path.join(trainer, "state.json"))  # complete now
-    shutil.rmtree(old, ignore_errors=True)
-    if os.path.exists(ckpt_dir):
-        os.replace(ckpt_dir, old)
-    os.replace(tmp, ckpt_dir)
-    shutil.rmtree(old, ignore_errors=True)
+
+
+def write_json(path, obj):
+    """A JSON file written whole or not at all (a reader never sees half of it)."""
+    with disk_errors(path):
+        with open(path + ".tmp", "w") as f:
+            json.dump(obj, f, indent=1)
+        os.chmod(path + ".tmp", _file_mode())
+        os.replace(path + ".tmp", path)
+
+
+def save_snapshot(folder, ckpt_dir, model, tokenizer):
+    """A plain HF model folder (a stage's model), written as a checkpoint is: whole, or not there."""
+    with writing(ckpt_dir), disk_errors(folder + ".tmp", _folder_bytes(ckpt_dir)):
+        shutil.rmtree(folder + ".tmp", ignore_errors=True)
+        model.save_pretrained(folder + ".tmp")
+        tokenizer.save_pretrained(folder + ".tmp")
+        umask_modes(folder + ".tmp")
+        shutil.rmtree(folder, ignore_errors=True)
+        os.replace(folder + ".tmp", folder)
+
+
+def _file_mode():
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
+def umask_modes(folder):
+    """Give every file under folder the mode the umask gives a new file (0644 under umask 022):
+    safetensors writes its files 0600, which another user (or a serving process) cannot read."""
+    mode = _file_mode()
+    for root, _, files in os.walk(folder):
+        for name in files:
+            os.chmod(os.path.join(root, name), mode)
 
 
 def _set_config_dtype(path, dtype):
@@ -197,12 +303,15 @@ def _set_config_dtype(path, dtype):
 
 def keep_as_good(ckpt_dir, good_dir):
     """ckpt_good/ <- ckpt/ as hard links (checkpoint files are never modified in place), or copies
-    where the filesystem has no hard links."""
-    tmp = good_dir + ".tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    shutil.copytree(ckpt_dir, tmp, copy_function=_link_or_copy)
-    shutil.rmtree(good_dir, ignore_errors=True)
-    os.replace(tmp, good_dir)
+    where the filesystem has no hard links; written as a checkpoint is (trainer/state.json last into
+    ckpt_good.tmp, then swapped in), so recover() handles a crash here as it does in save()."""
+    tmp, state = good_dir + ".tmp", os.path.join("trainer", "state.json")
+    with writing(ckpt_dir), disk_errors(tmp, _folder_bytes(ckpt_dir), keeps=good_dir):
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.copytree(ckpt_dir, tmp, copy_function=_link_or_copy,
+                        ignore=lambda d, names: ["state.json"] if os.path.basename(d) == "trainer" else [])
+        _link_or_copy(os.path.join(ckpt_dir, state), os.path.join(tmp, state))  # complete now
+        _swap_in(tmp, good_dir)
 
 
 def _link_or_copy(src, dst):
@@ -220,14 +329,69 @@ def read_state(ckpt_dir):
         raise UserError(f"{ckpt_dir} is not a nanoSDPO checkpoint (no trainer/state.json): set out_dir to the run to "
                         "continue, or start a new run")
     try:
-        with open(path) as f:
+        with open(path, encoding="utf-8") as f:
             state = json.load(f)
     except ValueError as e:
         raise UserError(f"{path} is damaged ({e}): the checkpoint cannot be resumed") from None
+    check_state(state, path)
     for name in sorted(os.listdir(ckpt_dir)) + [os.path.join("trainer", n) for n in sorted(os.listdir(trainer))]:
         if name.endswith(".safetensors"):
             check_safetensors(os.path.join(ckpt_dir, name))
     return state
+
+
+# what resuming reads from state.json, by type (a dotted key is inside the one before its dot)
+STATE_TYPES = {"iter": int, "stage": int, "stage_iter": int, "world": int, "base_init": str, "config": dict,
+               "data_rng": list, "param_groups": list, "data": dict, "accuracy_matrix": dict,
+               "accuracy_matrix.eval_sets": list, "accuracy_matrix.stages": list, "accuracy_matrix.rows": list,
+               "accuracy_matrix.base": dict, "guard": dict, "guard.best": dict, "guard.good": dict,
+               "guard.bad_evals": int, "guard.losses": list}
+
+
+def check_state(state, path):
+    """A state.json that parses but is not one train.py wrote (a key missing, a wrong type, a
+    negative count) is one line, before anything is read from it or truncated by it."""
+    if not isinstance(state, dict):
+        raise UserError(f"{path} holds a {type(state).__name__}, not a checkpoint's state: the checkpoint cannot be resumed")
+    for key, kind in STATE_TYPES.items():
+        value = state
+        for part in key.split("."):
+            value = value.get(part) if isinstance(value, dict) else None
+        low = 1 if key == "world" else 0
+        if not isinstance(value, kind) or (kind is int and (isinstance(value, bool) or value < low)):
+            need = f"an int >= {low}" if kind is int else f"a {kind.__name__}"
+            what = "is missing" if value is None else f"is {repr(value)[:40]}, not {need}"
+            raise UserError(f"{path}: {key} {what} (damaged, or not written by this train.py): the checkpoint cannot "
+                            "be resumed; the previous one may be in ckpt_good/")
+
+
+def check_same_run(state, world, data):
+    """What else makes a resumed run the same run: as many ranks (each has its own sampling RNG in
+    the checkpoint), and the same data files (size and sha256, recorded at every save)."""
+    if state["world"] != world:
+        raise UserError(f"init_from=resume: the checkpoint was written by {state['world']} rank(s), this run has {world}: "
+                        f"resume with {state['world']} (each rank's sampling state is in the checkpoint)")
+    for key in sorted(state["data"].keys() & data.keys()):
+        if state["data"][key] != data[key]:
+            raise UserError(f"init_from=resume: {key} in data_dir is not the file this run trained on (size "
+                            f"{state['data'][key].get('size')} -> {data[key]['size']} bytes, another sha256): point "
+                            "--data_dir at the run's data, or start a new out_dir")
+
+
+def fingerprints(data_dir, names_and_splits):
+    """{'<set>/<split>.jsonl': {'size', 'sha256'}} of the data files a run reads ('a+b' is two sets)."""
+    out = {}
+    for name, split in names_and_splits:
+        for part in name.split("+"):
+            key = f"{part}/{split}.jsonl"
+            path = os.path.join(data_dir, key)
+            if key not in out and os.path.isfile(path):
+                digest = hashlib.sha256()
+                with open(path, "rb") as f:
+                    for block in iter(lambda: f.read(1 << 20), b""):  # noqa: B023
+                        digest.update(block)
+                out[key] = {"size": os.path.getsize(path), "sha256": digest.hexdigest()}
+    return out
 
 
 def check_safetensors(path):
@@ -263,49 +427,6 @@ def load_trainer(ckpt_dir, state, model, optimizer, teacher_model):
             raise UserError(f"{path} is missing: the checkpoint has no teacher to resume")
         load_model(teacher_model, path)
     return {k[4:]: v for k, v in tensors.items() if k.startswith("rng.")}
-
-
-# ----------------------------------------------------------------------------- the collapse guard
-class Collapse(Exception):
-    """Training diverged or collapsed; the last good checkpoint is kept."""
-
-
-def check_health(row, name, state, cfg):
-    """The collapse guard: for collapse_patience evals in a row, zero accuracy on the training set(s)
-    after they had been solved sometimes, or (nearly) empty responses -- a policy that stopped
-    answering. A healthy eval makes the checkpoint that follows it the run's last good one."""
-    own = [n for n in name.split("+") if n in row]
-    best = state.setdefault("best", {})
-    dead = own and ((max(row[n] for n in own) == 0 and max(best.get(n, 0) for n in own) > 0)
-                    or max(state["eval_len"][n] for n in own) < 2)
-    best.update({n: max(best.get(n, 0), v) for n, v in row.items()})
-    state["zero_acc_evals"] = state["zero_acc_evals"] + 1 if dead else 0
-    state["healthy_at"] = None if dead else {"iter": state["iter"], "acc": row}
-    if cfg["stop_on_collapse"] and state["zero_acc_evals"] >= cfg["collapse_patience"]:
-        raise Collapse(f"{name}: zero accuracy or empty responses for {state['zero_acc_evals']} evals in a row")
-
-
-RUNAWAY = 10  # a loss this many times its running median (+1) means the run diverged
-
-
-def check_step(loss, state, stop_on_collapse=True):
-    """Divergence the eval guard would see too late: a non-finite loss (always stops), or one far
-    above its running median of the last 20 iterations (stops with stop_on_collapse)."""
-    if not math.isfinite(loss):
-        raise Collapse(f"loss is {loss}")
-    recent = state["losses"][-20:]
-    if stop_on_collapse and len(recent) >= 10 and abs(loss) > RUNAWAY * statistics.median(map(abs, recent)) + 1:
-        raise Collapse(f"loss {loss:.4g} is far above its running median {statistics.median(recent):.4g} (diverging)")
-    state["losses"] = recent + [loss]
-
-
-def collapse_message(ckpt_dir, state, error):
-    """Where the run stopped and which checkpoint to go back to, truthfully."""
-    good = state["good"]
-    where = (f"{ckpt_dir}_good (iteration {good['iter']}, eval " + ", ".join(f"{k} {v:.3f}" for k, v in good["acc"].items())
-             + ")") if good else f"none: no checkpoint passed the guard yet (the run started from {state['base_init']})"
-    return (f"training stopped after {state['iter']} iterations: {error}. The last checkpoint that passed the collapse "
-            f"guard: {where}")
 
 
 # ----------------------------------------------------------------------------- resuming

@@ -47,6 +47,7 @@ import sys
 
 import torch
 
+import checkpoint
 import models
 import train
 from configurator import configure
@@ -66,7 +67,7 @@ drift_prompts = 32  # the first prompts of each set used for response drift (0 =
 batch_prompts = 8  # prompts per generation batch (each with n samples)
 stage_drift = True  # drift metrics for every per-stage snapshot in run_dir (a curve over stages)
 spectral_k = 0  # top-k singular directions per matrix for spectral drift (0 = auto: min(m,n)//8 clipped to 1..64; -1 = skip)
-out = ""  # JSON output path ('' = run_dir/eval.json, else eval.json); the markdown goes beside it (.md)
+out = ""  # JSON output path, ending in .json ('' = run_dir/eval.json, else eval.json); the markdown goes beside it (.md)
 seed = 1337  # sampling seed (each set and each model starts from the same generator state)
 device = "auto"  # 'auto', 'cpu', 'cuda', ...
 dtype = "auto"  # 'auto' (bfloat16 autocast on CUDA, float32 on CPU), 'float32', 'bfloat16'
@@ -499,18 +500,16 @@ def snapshot_name(stage_name):
 
 
 def read_run(path):
-    """A training run folder -> {"matrix", "state", "snapshots": [(stage number, stage name, folder)]}."""
+    """A training run folder -> {"matrix", "state", "snapshots": [(stage number, stage name, folder)]}.
+    Its checkpoint's state is read under the run's checkpoint lock (never between a save's renames)."""
     if not os.path.isdir(path):
         raise train.UserError(f"run_dir {path} is not a folder (point it at a train.py out_dir)")
-    run = {"matrix": None, "state": None, "snapshots": []}
-    mpath = os.path.join(path, "accuracy_matrix.json")
-    if os.path.exists(mpath):
-        with open(mpath) as f:
-            run["matrix"] = json.load(f)
-    spath = os.path.join(path, "ckpt", "trainer", "state.json")
-    if os.path.exists(spath):
-        with open(spath) as f:
-            run["state"] = json.load(f)
+    run = {"matrix": read_json(os.path.join(path, "accuracy_matrix.json")), "state": None, "snapshots": []}
+    if run["matrix"] is not None:
+        check_matrix(run["matrix"], os.path.join(path, "accuracy_matrix.json"))
+    ckpt = os.path.join(path, "ckpt")
+    with checkpoint.reading(ckpt):
+        run["state"] = read_json(os.path.join(checkpoint.newest_complete(ckpt) or ckpt, "trainer", "state.json"))
     stages = (run["matrix"] or {}).get("stages", [])
     for entry in os.listdir(path):
         m = re.fullmatch(r"stage(\d+)_(.+)", entry)
@@ -524,11 +523,79 @@ def read_run(path):
     return run
 
 
+def read_json(path):
+    """A run folder's JSON file (None when absent); damaged or half-written is one line."""
+    if not os.path.exists(path):
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            obj = json.load(f)
+    except (OSError, ValueError) as e:
+        raise train.UserError(f"{path} is damaged or half-written ({e}): rerun the stage that wrote it, or "
+                              "evaluate a checkpoint with --model=") from None
+    if not isinstance(obj, dict):
+        raise train.UserError(f"{path} holds a {type(obj).__name__}, not train.py's record (a JSON object)")
+    return obj
+
+
+def check_matrix(matrix, path):
+    """An accuracy matrix eval.py can print: a list of eval sets, the stage names, one full row of
+    numbers per stage (and the base row)."""
+    sets, stages, rows = matrix.get("eval_sets"), matrix.get("stages"), matrix.get("rows")
+    base = matrix.get("base", {})
+    number = lambda x: isinstance(x, (int, float)) and not isinstance(x, bool)  # noqa: E731
+    ok = (isinstance(sets, list) and isinstance(stages, list) and isinstance(rows, list) and len(rows) == len(stages)
+          and all(isinstance(r, list) and len(r) == len(sets) and all(map(number, r)) for r in rows)
+          and isinstance(base, dict) and all(map(number, base.values())))
+    if not ok:
+        raise train.UserError(f"{path} is not a well-formed accuracy matrix (one row of {len(sets or [])} numbers per "
+                              "stage): it was damaged or written by another program")
+
+
+REPORT_MARK = "nanoSDPO eval.py"  # every JSON report eval.py writes says so: it overwrites only those
+
+
+def check_out(out_path):
+    """eval.py writes out_path (.json), the markdown beside it and maybe plots: refuse before any
+    work unless each is absent or a report eval.py wrote earlier (never a README or a config.json)."""
+    if not out_path.endswith(".json"):
+        raise train.UserError(f"out={out_path}: eval.py writes a JSON report (and its markdown beside it): give a path "
+                              "ending in .json")
+    stem = out_path[:-5]
+    ours = own_report(out_path)
+    for path in (out_path, stem + ".md", stem + "_matrix.png", stem + "_drift.png"):
+        if os.path.lexists(path) and not (ours if path.endswith(".png") and os.path.isfile(path) else own_report(path)):
+            raise train.UserError(f"out={out_path}: {path} exists and is not a report eval.py wrote: give another --out "
+                                  "(eval.py overwrites only its own reports)")
+    return stem
+
+
+def own_report(path):
+    """Absent (nothing to lose), or a report eval.py wrote: its JSON (the mark, or an earlier
+    version's keys) or its markdown (the '# eval: ' title)."""
+    if not os.path.lexists(path):
+        return True
+    if not os.path.isfile(path) or os.path.islink(path):
+        return False
+    try:
+        with open(path, encoding="utf-8") as f:
+            if path.endswith(".md"):
+                return f.readline().startswith("# eval: ")
+            obj = json.load(f)
+    except (OSError, ValueError):
+        return False
+    earlier_version = {"config", "model", "eval_sets", "ks"}  # its keys, before the mark
+    return isinstance(obj, dict) and (obj.get("written_by") == REPORT_MARK or earlier_version <= set(obj))
+
+
 def load(init, run_cfg, dev):
-    """models.load_model with the run's config (needed to rebuild init_from='scratch')."""
+    """models.load_model with the run's config (needed to rebuild init_from='scratch'); a run's
+    checkpoint under its lock (train.py may be saving one), from the complete copy a crash between
+    its renames left."""
     if init == "scratch" and not run_cfg:
         raise train.UserError("base_model='scratch' needs run_dir (its config rebuilds the initial weights)")
-    model_, tokenizer = models.load_model(init, dev, scratch=run_cfg or {})
+    with checkpoint.reading(init):
+        model_, tokenizer = models.load_model(checkpoint.newest_complete(init) or init, dev, scratch=run_cfg or {})
     model_.eval()
     return model_, tokenizer
 
@@ -792,10 +859,12 @@ def main(cfg):
         sets[name] = tasks[:cfg["max_prompts"]] if cfg["max_prompts"] > 0 else tasks
     drift_sets = {name: tasks[:cfg["drift_prompts"]] for name, tasks in sets.items()} if cfg["drift_prompts"] else {}
     out_path = cfg["out"] or (os.path.join(cfg["run_dir"], "eval.json") if run else "eval.json")
+    stem = check_out(out_path)
     dev = models.pick_device(cfg["device"])
     autocast = models.make_autocast(dev, cfg["dtype"])
 
-    report = {"config": cfg, "model": model_path, "base_model": base_path or None, "eval_sets": names, "ks": ks}
+    report = {"written_by": REPORT_MARK, "config": cfg, "model": model_path, "base_model": base_path or None,
+              "eval_sets": names, "ks": ks}
     # the base model first: it embeds every response for response drift
     base = None
     base_scores = {}
@@ -856,7 +925,6 @@ def main(cfg):
     md = markdown(report)
     print(md)
     os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
-    stem = out_path[:-5] if out_path.endswith(".json") else out_path
     if cfg["plots"]:
         report["plots"] = write_plots(report, stem)
     tmp = out_path + ".tmp"

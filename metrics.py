@@ -17,10 +17,15 @@ line per iteration. The per-iteration diagnostics are the ones RL users debug a 
 and from the rollout (train.build_batch): reward, acc, group_success, zero_signal_groups, peer_frac,
 distill_frac, resp_len, truncated, reprompt_truncated, phase times.
 """
+import dataclasses
 import json
+import math
 import os
+import statistics
 
 import torch
+
+from configurator import UserError
 
 TOKEN_SUMS = ("tokens", "ratio_sum", "clipped", "kl_sampler_sum", "entropy_sum", "distill_tokens", "div_sum",
               "topk_mass_sum", "logratio_ok_sum", "logratio_ok_n", "logratio_failed_sum", "logratio_failed_n")
@@ -48,8 +53,13 @@ class RunLog:
             self._append("samples.jsonl", rows)
 
     def _append(self, name, records):
-        with open(os.path.join(self.out_dir, name), "a") as f:
-            f.writelines(json.dumps(r) + "\n" for r in records)
+        path = os.path.join(self.out_dir, name)
+        try:
+            with open(path, "a") as f:
+                f.writelines(json.dumps(r) + "\n" for r in records)
+        except OSError as e:  # a full or read-only disk (a half-written line is dropped on resume)
+            raise UserError(f"cannot write {path} ({e.strerror or e}): free space (or make it writable), then continue "
+                            "with --init_from=resume") from None
 
 
 def token_sums(stats, old_logp, div_rows, success, clip_low, clip_high):
@@ -126,3 +136,75 @@ def sample_rows(batch, tasks, group_size, decode, iteration, k=4):
                      "reward": batch.rewards[i], "answer": tasks[i // group_size]["answer"],
                      "teacher_prompt": decode(teacher) if teacher else None})
     return rows
+
+
+# ----------------------------------------------------------------------------- the collapse guard
+# It watches training, not the disk: after every eval (every eval set, not only the one trained on)
+# and after every loss. Its memory is saved with each checkpoint (state.json "guard"), so a resumed
+# run judges by the same bests; ckpt_good/ is the last checkpoint that passed it, or the initial model.
+COLLAPSED_BELOW = 0.5  # an eval set under this fraction of its best mean@n has collapsed (zero after learning too)
+EMPTY_RESPONSE = 2.0  # a mean response under this many tokens: the policy stopped answering
+RUNAWAY = 10  # a loss this many times its running median (or ln vocab, before one exists) diverged
+MEDIAN_OVER, MEDIAN_FROM = 20, 10  # the running median: of the last 20 losses, once 10 exist
+
+
+class Collapse(Exception):
+    """Training diverged or collapsed; the last good checkpoint is kept."""
+
+
+@dataclasses.dataclass
+class Guard:
+    best: dict  # each eval set's best mean@n so far, the initial model's included
+    good: dict = None  # ckpt_good/: {"iter", "acc"}; iteration 0 is the initial model (saved before the first step)
+    bad_evals: int = 0  # unhealthy evals in a row
+    losses: list = dataclasses.field(default_factory=list)  # the last MEDIAN_OVER losses
+
+
+def eval_problems(row, lengths, best):
+    """What makes an eval unhealthy, one phrase per eval set (none: healthy): mean@n below
+    COLLAPSED_BELOW of the set's best, or (nearly) empty responses."""
+    out = []
+    for name, acc in row.items():
+        if lengths[name] < EMPTY_RESPONSE:
+            out.append(f"{name} answers nothing (mean response {lengths[name]:.1f} tokens)")
+        elif acc < COLLAPSED_BELOW * best.get(name, 0.0):
+            out.append(f"{name} fell to {acc:.3f} from its best {best[name]:.3f}")
+    return out
+
+
+def check_eval(guard, row, lengths, *, patience, stop):
+    """One eval through the guard: True when healthy (the checkpoint that follows becomes ckpt_good).
+    After `patience` unhealthy evals in a row it raises Collapse (with stop; else it only counts)."""
+    problems = eval_problems(row, lengths, guard.best)
+    guard.best.update({name: max(guard.best.get(name, 0.0), acc) for name, acc in row.items()})
+    guard.bad_evals = guard.bad_evals + 1 if problems else 0
+    if stop and guard.bad_evals >= patience:
+        raise Collapse(f"{'; '.join(problems)} ({guard.bad_evals} evals in a row)")
+    return not problems
+
+
+def check_loss(guard, loss, *, log_vocab, stop):
+    """Divergence the eval guard would see too late: a non-finite loss (always stops), or a runaway
+    one (stops with stop): above RUNAWAY × ln vocab before a running median exists, then above
+    RUNAWAY × median + ln vocab. ln vocab, a uniform guess's loss per token, is the absolute scale: a
+    run that diverges at its first steps stops there, and a median near 0 (GRPO steps without signal)
+    is no hair trigger."""
+    if not math.isfinite(loss):
+        raise Collapse(f"loss is {loss}")
+    recent = guard.losses[-MEDIAN_OVER:]
+    if len(recent) >= MEDIAN_FROM:
+        median = statistics.median(map(abs, recent))
+        limit, why = RUNAWAY * median + log_vocab, f"{RUNAWAY} × its running median {median:.4g} + ln vocab"
+    else:
+        limit, why = RUNAWAY * log_vocab, f"{RUNAWAY} × ln vocab, before a running median exists"
+    if stop and abs(loss) > limit:
+        raise Collapse(f"loss {loss:.4g} is above {limit:.4g} ({why}): diverging")
+    guard.losses = recent[-(MEDIAN_OVER - 1):] + [loss]
+
+
+def collapse_message(ckpt_dir, iteration, good, error):
+    """Where the run stopped and which checkpoint to go back to, truthfully."""
+    what = "the initial model" if good["iter"] == 0 else f"iteration {good['iter']}"
+    acc = ", ".join(f"{k} {v:.3f}" for k, v in good["acc"].items())
+    return (f"training stopped after {iteration} iterations: {error}. The last checkpoint that passed the collapse "
+            f"guard: {ckpt_dir}_good ({what}, eval {acc})")

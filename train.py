@@ -73,7 +73,7 @@ import random
 import re
 import sys
 import time
-from dataclasses import dataclass, fields
+from dataclasses import asdict, dataclass, fields
 
 import torch
 import torch.distributed as dist
@@ -81,9 +81,9 @@ from tqdm import tqdm
 from transformers import DynamicCache
 
 import checkpoint
-from checkpoint import Collapse, check_health, check_step
 import metrics
 from configurator import UserError, require
+from metrics import Collapse
 from data import checkers, tasks as task_files
 from models import (Dist, amp_dtype, context_length, enable_grad_checkpointing, forward_with_cache, frozen_copy,
                     has_chat_template, lm_head, load_model, make_autocast, pad_batch, prompt_ids, response_hidden,
@@ -181,7 +181,7 @@ loss_chunk = 0  # tokens per chunk of the fused loss (0 = 128 on CPU, 512 on CUD
 teacher_stage_reset = "keep"  # at a stage boundary the teacher: 'keep', 'student' (copy) or 'initial'
 reset_optimizer = False  # fresh AdamW state at each stage
 stop_on_collapse = True  # stop (keeping the last good checkpoint) on a collapse; NaN/inf always stops
-collapse_patience = 3  # evals in a row with zero training-set accuracy or empty responses that count as a collapse
+collapse_patience = 3  # unhealthy evals in a row (a set below half its best, or empty responses) that count as a collapse
 # -----------------------------------------------------------------------------
 
 # ----------------------------------------------------------------------------- checks
@@ -205,9 +205,9 @@ RANGES = {  # key: (low, high, low inclusive)
 }
 POSITIVE = ("max_iters", "batch_prompts", "group_size", "micro_batch_size", "max_new_tokens", "topk",
             "n_layer", "n_head", "n_embd", "block_size", "eval_n", "max_reprompt_len", "temperature",
-            "eval_temperature")
+            "eval_temperature", "collapse_patience")
 NON_NEGATIVE = ("gen_batch_size", "warmup_iters", "eval_interval", "eval_max_prompts", "save_interval", "weight_decay",
-                "grad_clip", "clip_low", "clip_high", "kl_coef", "is_clip", "collapse_patience", "loss_chunk",
+                "grad_clip", "clip_low", "clip_high", "kl_coef", "is_clip", "loss_chunk",
                 "max_prompt_len")
 
 
@@ -1242,8 +1242,10 @@ def setup(cfg, ddp, stack):
     wandb = require("wandb", "wandb_log=True") if cfg["wandb_log"] and ddp.master else None  # optional packages
     if cfg["math_checker"] == "math_verify":
         require("math_verify", "math_checker=math_verify", "math-verify")
-    state = {"iter": 0, "stage": 0, "stage_iter": 0, "zero_acc_evals": 0, "accuracy_matrix": None,
-             "base_init": cfg["init_from"], "losses": [], "good": None}
+    data_files = checkpoint.fingerprints(cfg["data_dir"], [(n, "train") for n in train_tasks] +
+                                         [(n, "test") for n in eval_tasks])  # a resumed run checks its data
+    state = {"iter": 0, "stage": 0, "stage_iter": 0, "accuracy_matrix": None, "base_init": cfg["init_from"]}
+    guard = None  # the collapse guard's memory: a fresh run's starts at its first eval (train_loop)
     log = metrics.RunLog(out_dir, cfg["log_jsonl"], None, ddp.master)
     random.seed(cfg["seed"])
     torch.manual_seed(cfg["seed"])
@@ -1255,10 +1257,18 @@ def setup(cfg, ddp, stack):
             log.say(note)
     ddp.barrier()
     if resume:
-        saved = checkpoint.read_state(ckpt_dir)
-        state.update({k: v for k, v in saved.items() if k != "param_groups"})
+        saved = checkpoint.read_state(ckpt_dir)  # a damaged or foreign state.json is one line, before any change
+        checkpoint.check_same_run(saved, ddp.world, data_files)
+        state.update({k: v for k, v in saved.items() if k not in ("param_groups", "guard", "world", "data")})
+        guard = metrics.Guard(**saved["guard"])
         checkpoint.check_resume(saved["config"], cfg, parse_stages(saved["config"]["stages"], saved["config"]["dataset"],
                                 saved["config"]["max_iters"]), stages, state)
+        if state["accuracy_matrix"]["eval_sets"] != eval_names:  # a stage added on resume: its set is not a column
+            added = [n for n in eval_names if n not in state["accuracy_matrix"]["eval_sets"]]
+            eval_names = state["accuracy_matrix"]["eval_sets"]
+            eval_tasks = {n: eval_tasks[n] for n in eval_names}
+            log.say(f"note: the accuracy matrix keeps this run's eval sets ({', '.join(eval_names)}); {', '.join(added)} "
+                    "is not scored (give eval_sets in a new run to measure every set)")
         model, tokenizer = load_model(ckpt_dir, dev, scratch=cfg)
         fit_prompts(train_tasks, eval_tasks, model, tokenizer, cfg, log)
     if not has_chat_template(tokenizer):
@@ -1288,13 +1298,15 @@ def setup(cfg, ddp, stack):
         generator.set_state(rng[f"sampling.{ddp.rank}"])
         data_rng.setstate(tuple(tuple(x) if isinstance(x, list) else x for x in state["data_rng"]))
         if ddp.master:
-            checkpoint.truncate_log(os.path.join(out_dir, "log.jsonl"), state["iter"])
+            for name in ("log.jsonl", "samples.jsonl"):  # the iterations after the checkpoint are redone
+                checkpoint.truncate_log(os.path.join(out_dir, name), state["iter"])
         log.say(f"resumed from {ckpt_dir} at iteration {state['iter']} (stage {state['stage']}, step {state['stage_iter']})")
     if wandb:
         log.wandb = wandb.init(project=cfg["wandb_project"], name=cfg["wandb_run_name"], config=cfg)
     return dict(stages=stages, eval_names=eval_names, train_tasks=train_tasks, eval_tasks=eval_tasks, log=log,
-                ckpt_dir=ckpt_dir, state=state, model=model, tokenizer=tokenizer, initial_model=initial_model,
-                teacher_model=teacher_model, optimizer=optimizer, generator=generator, data_rng=data_rng)
+                ckpt_dir=ckpt_dir, state=state, guard=guard, data_files=data_files, model=model, tokenizer=tokenizer,
+                initial_model=initial_model, teacher_model=teacher_model, optimizer=optimizer, generator=generator,
+                data_rng=data_rng)
 
 
 def fit_prompts(train_tasks, eval_tasks, model, tokenizer, cfg, log):
@@ -1313,17 +1325,18 @@ def fit_prompts(train_tasks, eval_tasks, model, tokenizer, cfg, log):
 
 def run_eval(run, cfg, ddp, tag):
     """Score every eval set (tasks sharded over ranks), log one record with a key per set
-    (eval/<set>/mean@n, so wandb keeps every curve), and return {set: mean@n}. An SDPO run also
+    (eval/<set>/mean@n, so wandb keeps every curve), and return {set: mean@n} and {set: mean response
+    length} (what the collapse guard judges). An SDPO run also
     scores its teacher reading each prompt with the reference solution as the demonstration
     (eval/<set>/teacher_mean@n): it shows when the teacher stops being better than the student."""
     state, n = run["state"], cfg["eval_n"]
     teacher = {"ema": run["teacher_model"], "frozen": run["teacher_model"], "live": run["model"]}.get(cfg["teacher"])
     generators = [make_generator(cfg["seed"] + k + ddp.rank, ddp.device) for k in (1, 2)]  # the same samples each eval
-    row, record, state["eval_len"] = {}, {"iter": state["iter"], "eval_tag": tag}, {}
+    row, lengths, record = {}, {}, {"iter": state["iter"], "eval_tag": tag}
     for name, tasks in run["eval_tasks"].items():
-        acc, state["eval_len"][name] = score_set(run, cfg, ddp, run["model"], tasks, generators[0])
+        acc, lengths[name] = score_set(run, cfg, ddp, run["model"], tasks, generators[0])
         row[name] = acc[f"mean@{n}"]
-        record.update({f"eval/{name}/{k}": v for k, v in acc.items()}, **{f"eval/{name}/mean_len": state["eval_len"][name]})
+        record.update({f"eval/{name}/{k}": v for k, v in acc.items()}, **{f"eval/{name}/mean_len": lengths[name]})
         if cfg["algo"] != "sdpo" or teacher is None:
             continue
         demos = [dict(t, messages=teacher_messages(t["messages"], t["solution"], None, cfg)) for t in tasks if t.get("solution")]
@@ -1331,7 +1344,7 @@ def run_eval(run, cfg, ddp, tag):
             record[f"eval/{name}/teacher_mean@{n}"] = score_set(run, cfg, ddp, teacher, demos, generators[1])[0][f"mean@{n}"]
     run["log"].record(record)
     run["log"].say(f"eval @ iter {state['iter']} ({tag}): " + ", ".join(f"{k} mean@{n} {v:.3f}" for k, v in row.items()))
-    return row
+    return row, lengths
 
 
 def score_set(run, cfg, ddp, model, tasks, generator):
@@ -1349,10 +1362,11 @@ def score_set(run, cfg, ddp, model, tasks, generator):
     return accuracy_summary(scores, threshold=cfg["success_threshold"]), sum(t for _, t in per_rank) / (n * len(scores))
 
 
-def save_checkpoint(run, cfg, ddp):
-    """Save model, optimizer, teacher, every rank's sampling RNG and the data order (rank 0 writes);
-    after a healthy eval at this iteration, ckpt_good/ becomes this checkpoint too."""
-    model, state = run["model"], run["state"]
+def save_checkpoint(run, cfg, ddp, passed=None):
+    """Save model, optimizer, teacher, every rank's sampling RNG, the data order and the guard (rank 0
+    writes); passed: this iteration's eval row when it passed the collapse guard -- ckpt_good/ becomes
+    this checkpoint too."""
+    model, state, guard = run["model"], run["state"], run["guard"]
     # ranks must hold identical weights (same init, same all-reduced steps): check cheaply
     if ddp.world > 1:
         sums = ddp.gather(sum(p.detach().sum(dtype=torch.float64).item() for p in model.parameters()))
@@ -1360,15 +1374,16 @@ def save_checkpoint(run, cfg, ddp):
         if len(set(sums)) > 1:
             raise UserError(f"ranks diverged: parameter sums {sums}")
     rng_states = ddp.gather(run["generator"].get_state())
-    healthy = (state.get("healthy_at") or {}).get("iter") == state["iter"]
-    if healthy:
-        state["good"] = state["healthy_at"]
+    if passed is not None:
+        guard.good = {"iter": state["iter"], "acc": passed}
     if ddp.master:
         state["data_rng"] = run["data_rng"].getstate()
         checkpoint.save(run["ckpt_dir"], model=model, tokenizer=run["tokenizer"], optimizer=run["optimizer"],
-                        teacher_model=run["teacher_model"], state={**state, "config": cfg}, save_dtype=cfg["save_dtype"],
+                        teacher_model=run["teacher_model"], save_dtype=cfg["save_dtype"],
+                        state={**state, "guard": asdict(guard), "world": ddp.world, "data": run["data_files"],
+                               "config": cfg},
                         rng_tensors={f"sampling.{r}": g for r, g in enumerate(rng_states)})
-        if healthy:
+        if passed is not None:
             checkpoint.keep_as_good(run["ckpt_dir"], run["ckpt_dir"] + "_good")
     ddp.barrier()
 
@@ -1385,19 +1400,18 @@ def start_stage(run, cfg):
 def end_stage(run, cfg, ddp, stage, name):
     """A row of the accuracy matrix (every eval set), a model snapshot, a checkpoint."""
     state = run["state"]
-    row = run_eval(run, cfg, ddp, f"end of stage {stage + 1}")
-    check_health(row, name, state, cfg)
+    row, lengths = run_eval(run, cfg, ddp, f"end of stage {stage + 1}")
+    healthy = metrics.check_eval(run["guard"], row, lengths, patience=cfg["collapse_patience"],
+                                 stop=cfg["stop_on_collapse"])
     state["accuracy_matrix"]["stages"].append(name)
     state["accuracy_matrix"]["rows"].append([row[s] for s in run["eval_names"]])
     if ddp.master:
-        with open(os.path.join(cfg["out_dir"], "accuracy_matrix.json"), "w") as f:
-            json.dump(state["accuracy_matrix"], f, indent=1)
+        checkpoint.write_json(os.path.join(cfg["out_dir"], "accuracy_matrix.json"), state["accuracy_matrix"])
         if len(run["stages"]) > 1:
             snap = os.path.join(cfg["out_dir"], f"stage{stage + 1}_{name.replace('/', '_').replace('+', '_')}")
-            run["model"].save_pretrained(snap)
-            run["tokenizer"].save_pretrained(snap)
+            checkpoint.save_snapshot(snap, run["ckpt_dir"], run["model"], run["tokenizer"])
     state["stage"], state["stage_iter"] = stage + 1, 0
-    save_checkpoint(run, cfg, ddp)
+    save_checkpoint(run, cfg, ddp, passed=row if healthy else None)
 
 
 def main(cfg):
@@ -1410,7 +1424,8 @@ def main(cfg):
         try:
             train_loop(run, cfg, ddp)
         except Collapse as e:
-            raise UserError(checkpoint.collapse_message(run["ckpt_dir"], run["state"], e)) from None
+            good = run["guard"].good
+            raise UserError(metrics.collapse_message(run["ckpt_dir"], run["state"]["iter"], good, e)) from None
     run["log"].say(f"done: {run['state']['iter']} iterations; model in {run['ckpt_dir']}")
     if ddp.world > 1:
         dist.destroy_process_group()
@@ -1424,10 +1439,12 @@ def train_loop(run, cfg, ddp):
     share = cfg["batch_prompts"] // ddp.world
     autocast = make_autocast(dev, cfg["dtype"])
     batch, my_tasks, stuck = None, None, {}  # stuck: consecutive iterations per warning (metrics.stuck_warnings)
-    if state["iter"] == 0:
-        state["accuracy_matrix"] = {"eval_sets": run["eval_names"], "stages": [], "rows": [],
-                                    "base": run_eval(run, cfg, ddp, "start")}
-        state["best"] = dict(state["accuracy_matrix"]["base"])
+    log_vocab = math.log(model.get_output_embeddings().weight.shape[0])  # the runaway-loss guard's scale
+    if state["iter"] == 0:  # the initial model: the guard's first bests, and ckpt_good until an eval passes
+        base = run_eval(run, cfg, ddp, "start")[0]
+        state["accuracy_matrix"] = {"eval_sets": run["eval_names"], "stages": [], "rows": [], "base": base}
+        run["guard"] = metrics.Guard(best=dict(base))
+        save_checkpoint(run, cfg, ddp, passed=base)
     for stage in range(state["stage"], len(run["stages"])):
         name, iters = run["stages"][stage]
         tasks = run["train_tasks"][name]
@@ -1448,7 +1465,7 @@ def train_loop(run, cfg, ddp):
             # student (and teacher) forward and backward, in micro-batches; a diverging loss stops the run
             loss_metrics = loss_backward(model, batch, cfg, dev, teacher_model=run["teacher_model"],
                                          initial_model=run["initial_model"])
-            check_step(loss_metrics["loss"], state, cfg["stop_on_collapse"])
+            metrics.check_loss(run["guard"], loss_metrics["loss"], log_vocab=log_vocab, stop=cfg["stop_on_collapse"])
             ddp.all_reduce_grads(model)
             t2 = time.time()
             # optimizer step, then the EMA teacher follows the student
@@ -1469,14 +1486,17 @@ def train_loop(run, cfg, ddp):
             for warning in metrics.stuck_warnings(record, stuck, cfg["algo"]):
                 run["log"].say(warning)
             # periodic eval (the collapse guard) and checkpoint; the end of a stage has its own
-            last = state["stage_iter"] == iters
-            if not last and cfg["eval_interval"] and state["stage_iter"] % cfg["eval_interval"] == 0:
+            last, passed = state["stage_iter"] == iters, None
+            eval_due = not last and cfg["eval_interval"] and state["stage_iter"] % cfg["eval_interval"] == 0
+            if eval_due:
                 run["log"].samples(metrics.sample_rows(batch, my_tasks, cfg["group_size"], decode, state["iter"]))
-                check_health(run_eval(run, cfg, ddp, "periodic"), name, state, cfg)
-                if not cfg["save_interval"]:
-                    save_checkpoint(run, cfg, ddp)
-            if cfg["save_interval"] and state["iter"] % cfg["save_interval"] == 0 and not last:
-                save_checkpoint(run, cfg, ddp)
+                row, lengths = run_eval(run, cfg, ddp, "periodic")
+                if metrics.check_eval(run["guard"], row, lengths, patience=cfg["collapse_patience"],
+                                      stop=cfg["stop_on_collapse"]):
+                    passed = row
+            if (eval_due and not cfg["save_interval"]) or (
+                    cfg["save_interval"] and state["iter"] % cfg["save_interval"] == 0 and not last):
+                save_checkpoint(run, cfg, ddp, passed=passed)
         # end of stage: a few rollouts, a row of the accuracy matrix, a snapshot, a checkpoint
         if batch is not None:
             run["log"].samples(metrics.sample_rows(batch, my_tasks, cfg["group_size"], decode, state["iter"]))

@@ -11,7 +11,6 @@ from safetensors import safe_open
 
 from conftest import defaults
 
-import checkpoint
 import metrics
 import models
 import train
@@ -76,12 +75,3 @@ def test_math_checker_dispatch_and_cross_check():
     for response, answer, want in pairs:
         assert train.reward("math", response, answer, math_checker="math_verify")[0] == want, (response, answer)
         assert train.reward("math", response, answer)[0] == want, (response, answer)  # the builtin agrees
-
-
-def test_the_collapse_message_names_the_good_checkpoint_or_none():
-    state = {"iter": 7, "base_init": "out/base", "good": {"iter": 5, "acc": {"toy/add": 0.5}}}
-    msg = checkpoint.collapse_message("out/x/ckpt", state, "loss is nan")
-    assert msg == ("training stopped after 7 iterations: loss is nan. The last checkpoint that passed the collapse guard: "
-                   "out/x/ckpt_good (iteration 5, eval toy/add 0.500)")
-    assert "none: no checkpoint passed the guard yet (the run started from out/base)" in \
-        checkpoint.collapse_message("out/x/ckpt", dict(state, good=None), "loss is nan")

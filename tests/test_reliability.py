@@ -12,6 +12,7 @@ import torch
 from conftest import ROOT, TINY, read_log, run_train
 
 import checkpoint
+import metrics
 import train
 
 
@@ -39,10 +40,13 @@ def one_line_error(proc):
 
 
 def listing(folder):
-    """Every file under folder with its size and bytes' hash: 'nothing changed' means equal listings."""
+    """Every file under folder with its bytes' hash: 'nothing changed' means equal listings (the lock
+    files aside: .lock names the pid of the last run that held it)."""
     out = {}
     for root, _, files in os.walk(folder):
         for f in files:
+            if f in (".lock", ".ckpt.lock"):
+                continue
             path = os.path.join(root, f)
             with open(path, "rb") as fh:
                 out[os.path.relpath(path, folder)] = hash(fh.read())
@@ -83,15 +87,21 @@ def test_a_bad_input_into_a_finished_run_changes_nothing(finished_run, tmp_path,
     assert listing(out) == before
 
 
-def test_a_second_run_into_the_same_out_dir_stops_and_a_stale_lock_is_taken_over(finished_run, tmp_path):
+def test_a_second_run_into_the_same_out_dir_stops_and_a_killed_runs_lock_blocks_nothing(finished_run, tmp_path):
     out = copy_of(finished_run, tmp_path)
-    (out / ".lock").write_text(str(os.getpid()))  # a live process holds it
-    args = (*RUN, f"--out_dir={out}", "--init_from=resume", "--max_iters=3")
-    assert "in use by another run" in one_line_error(run_train(*args, check=False))
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    (out / ".lock").write_text(dead.stdout.strip())  # its process is gone (a killed run)
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time, checkpoint\nwith checkpoint.locked(sys.argv[1]):\n"
+                               "    print('held', flush=True); time.sleep(600)", str(out)], cwd=ROOT, stdout=subprocess.PIPE,
+                              text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        args = (*RUN, f"--out_dir={out}", "--init_from=resume", "--max_iters=3")
+        assert f"in use by another run (pid {holder.pid})" in one_line_error(run_train(*args, check=False))
+    finally:
+        holder.kill()  # kill -9: its .lock file stays, its lock goes with it
+        holder.wait()
+    assert (out / ".lock").read_text() == str(holder.pid)
     run_train(*args)
-    assert not (out / ".lock").exists() and [r["iter"] for r in read_log(out) if "loss" in r] == [1, 2, 3]
+    assert [r["iter"] for r in read_log(out) if "loss" in r] == [1, 2, 3]
 
 
 @pytest.mark.parametrize("crash", ["between the renames", "before the first rename"])
@@ -112,25 +122,123 @@ def test_a_crash_during_a_checkpoint_leaves_one_that_the_next_start_finds(finish
 
 
 # ----------------------------------------------------------------------------- 2. the collapse guard keeps a good model
+def faked_evals(monkeypatch, accs, lengths=None):
+    """train.run_eval runs as usual, then reports accs[k] (a mean@n per set) at its k-th call."""
+    real, calls = train.run_eval, iter(accs)
+
+    def fake_eval(run, cfg, ddp, tag):
+        row, real_lengths = real(run, cfg, ddp, tag)
+        faked = next(calls)
+        return {name: faked[name] if isinstance(faked, dict) else faked for name in row}, lengths or real_lengths
+    monkeypatch.setattr(train, "run_eval", fake_eval)
+
+
+def saved_iter(ckpt):
+    with open(ckpt / "trainer" / "state.json") as f:
+        return json.load(f)["iter"]
+
+
 def test_the_guard_keeps_the_checkpoint_that_passed_it_and_names_it_truthfully(toy_data, tmp_path, monkeypatch):
     """Evals at every iteration: good (0.5) at iteration 1, then dead twice: the run stops at
     iteration 3 and names ckpt_good at iteration 1 (ckpt/ holds iteration 2, already bad)."""
-    accs = iter([0.5, 0.5, 0.0, 0.0])  # start, 1, 2, 3
-    real = train.run_eval
-
-    def fake_eval(run, cfg, ddp, tag):
-        row = real(run, cfg, ddp, tag)
-        return {name: next(accs) for name in row}
-    monkeypatch.setattr(train, "run_eval", fake_eval)
+    faked_evals(monkeypatch, [0.5, 0.5, 0.0, 0.0])  # start, 1, 2, 3
     cfg = tiny_cfg(toy_data, tmp_path / "run", max_iters=6, eval_interval=1, collapse_patience=2)
     with pytest.raises(train.UserError) as e:
         train.main(cfg)
     msg = str(e.value)
     assert "stopped after 3 iterations" in msg and "ckpt_good (iteration 1, eval toy/add 0.500)" in msg
-    with open(tmp_path / "run" / "ckpt_good" / "trainer" / "state.json") as f:
-        assert json.load(f)["iter"] == 1
-    with open(tmp_path / "run" / "ckpt" / "trainer" / "state.json") as f:
-        assert json.load(f)["iter"] == 2
+    assert saved_iter(tmp_path / "run" / "ckpt_good") == 1 and saved_iter(tmp_path / "run" / "ckpt") == 2
+
+
+def test_a_collapse_of_any_eval_set_stops_the_run_not_only_of_the_one_trained(toy_data, tmp_path, monkeypatch):
+    """Training add while sort falls from 0.6 to 0.2 (below half its best, not zero): the run stops
+    and ckpt_good is the last model before the fall, whatever add does."""
+    faked_evals(monkeypatch, [{"toy/add": 0.1, "toy/sort": 0.6}, {"toy/add": 0.2, "toy/sort": 0.6},
+                              {"toy/add": 0.3, "toy/sort": 0.2}, {"toy/add": 0.4, "toy/sort": 0.2}])
+    cfg = tiny_cfg(toy_data, tmp_path / "run", max_iters=6, eval_interval=1, collapse_patience=2,
+                   eval_sets="toy/add,toy/sort")
+    with pytest.raises(train.UserError) as e:
+        train.main(cfg)
+    assert "stopped after 3 iterations: toy/sort fell to 0.200 from its best 0.600 (2 evals in a row)" in str(e.value)
+    assert "ckpt_good (iteration 1, eval toy/add 0.200, toy/sort 0.600)" in str(e.value)
+    assert saved_iter(tmp_path / "run" / "ckpt_good") == 1
+
+
+def test_a_run_whose_guard_never_passed_keeps_its_initial_model_as_good(toy_data, tmp_path, monkeypatch):
+    faked_evals(monkeypatch, [0.5, 0.1, 0.1])  # start, 1, 2: below half the initial model's 0.5 from the first eval
+    cfg = tiny_cfg(toy_data, tmp_path / "run", max_iters=6, eval_interval=1, collapse_patience=2)
+    with pytest.raises(train.UserError, match=r"stopped after 2 iterations: .*ckpt_good \(the initial model, eval "
+                                              r"toy/add 0.500\)$"):
+        train.main(cfg)
+    good, ckpt = tmp_path / "run" / "ckpt_good", tmp_path / "run" / "ckpt"
+    assert saved_iter(good) == 0 and saved_iter(ckpt) == 1
+    from safetensors.torch import load_file
+    torch.manual_seed(cfg["seed"])  # as setup() does: the same initial model
+    initial = train.load_model(cfg["init_from"], torch.device("cpu"), scratch=cfg)[0]
+    kept = load_file(good / "model.safetensors")
+    assert all(torch.equal(kept[k], v) for k, v in initial.state_dict().items() if k in kept)
+
+
+def test_the_guard_judges_every_set_against_its_own_best():
+    guard = metrics.Guard(best={"a": 0.4, "b": 0.5})
+    long = {"a": 5.0, "b": 5.0}
+    assert metrics.check_eval(guard, {"a": 0.3, "b": 0.5}, long, patience=2, stop=True)  # 0.3 >= half of 0.4
+    assert not metrics.check_eval(guard, {"a": 0.4, "b": 0.2}, long, patience=2, stop=True)  # b below half: one bad eval
+    with pytest.raises(metrics.Collapse, match=r"b fell to 0.000 from its best 0.500 \(2 evals in a row\)"):
+        metrics.check_eval(guard, {"a": 0.4, "b": 0.0}, long, patience=2, stop=True)
+    never = metrics.Guard(best={"a": 0.0})
+    for _ in range(3):  # zero from the start (a scratch model) is not a collapse: nothing was lost
+        assert metrics.check_eval(never, {"a": 0.0}, {"a": 5.0}, patience=1, stop=True)
+    empty = metrics.Guard(best={})
+    assert not metrics.check_eval(empty, {"a": 0.3}, {"a": 1.0}, patience=2, stop=True)  # accurate but empty: counts
+    assert metrics.check_eval(empty, {"a": 0.3}, {"a": 9.0}, patience=2, stop=True) and empty.bad_evals == 0  # recovered
+    for _ in range(3):  # stop_on_collapse=False: counted, never raised
+        assert not metrics.check_eval(empty, {"a": 0.3}, {"a": 1.0}, patience=1, stop=False)
+    assert empty.bad_evals == 3 and empty.best == {"a": 0.3}
+
+
+def test_a_loss_that_runs_away_at_the_first_steps_stops_the_run_keeping_the_initial_model(toy_data, tmp_path):
+    """SFT at lr 10 diverges from its second step; no running median exists yet, so the absolute
+    bound (10 × ln vocab) stops it, and ckpt_good is the initial model, not the diverged one."""
+    cfg = tiny_cfg(toy_data, tmp_path / "run", max_iters=8, learning_rate=10.0, warmup_iters=0, save_interval=1)
+    with pytest.raises(train.UserError) as e:
+        train.main(cfg)
+    msg = str(e.value)
+    assert "before a running median exists): diverging" in msg and "ckpt_good (the initial model" in msg
+    assert saved_iter(tmp_path / "run" / "ckpt_good") == 0
+    losses = [r["loss"] for r in read_log(tmp_path / "run") if "loss" in r]
+    assert len(losses) < 8 and max(losses) < 10 * torch.log(torch.tensor(99.0)).item()  # nothing diverged got logged
+
+
+def test_the_loss_guard_bounds_the_first_steps_and_then_follows_the_median():
+    guard, log_vocab = metrics.Guard(best={}), 4.0
+    metrics.check_loss(guard, 3.0, log_vocab=log_vocab, stop=True)
+    with pytest.raises(metrics.Collapse, match="above 40 .*before a running median"):
+        metrics.check_loss(guard, 41.0, log_vocab=log_vocab, stop=True)
+    metrics.check_loss(guard, 41.0, log_vocab=log_vocab, stop=False)  # off: counted, not raised
+    for loss in [0.0] * 25:  # GRPO steps without signal: a median of 0 is no hair trigger
+        metrics.check_loss(guard, loss, log_vocab=log_vocab, stop=True)
+    assert len(guard.losses) == metrics.MEDIAN_OVER
+    metrics.check_loss(guard, 3.9, log_vocab=log_vocab, stop=True)
+    with pytest.raises(metrics.Collapse, match="running median"):
+        metrics.check_loss(guard, 4.1, log_vocab=log_vocab, stop=True)
+    for bad in (float("nan"), float("inf")):  # a non-finite loss always stops
+        with pytest.raises(metrics.Collapse, match="loss is"):
+            metrics.check_loss(guard, bad, log_vocab=log_vocab, stop=False)
+
+
+def test_a_patience_of_zero_is_refused_at_the_config_check(tmp_path):
+    with pytest.raises(train.UserError, match="^collapse_patience=0 must be positive$"):
+        train.main(cli_cfg(f"--out_dir={tmp_path / 'run'}", "--collapse_patience=0"))
+    assert not (tmp_path / "run").exists()
+
+
+def test_the_collapse_message_names_the_good_checkpoint():
+    msg = metrics.collapse_message("out/x/ckpt", 7, {"iter": 5, "acc": {"toy/add": 0.5}}, "loss is nan")
+    assert msg == ("training stopped after 7 iterations: loss is nan. The last checkpoint that passed the collapse guard: "
+                   "out/x/ckpt_good (iteration 5, eval toy/add 0.500)")
+    assert metrics.collapse_message("out/x/ckpt", 7, {"iter": 0, "acc": {"toy/add": 0.1}}, "e").endswith(
+        "out/x/ckpt_good (the initial model, eval toy/add 0.100)")
 
 
 def test_a_runaway_loss_stops_the_run_before_it_overwrites_the_checkpoint(toy_data, tmp_path, monkeypatch):
@@ -141,10 +249,9 @@ def test_a_runaway_loss_stops_the_run_before_it_overwrites_the_checkpoint(toy_da
         calls.append(1)
         return dict(metrics, loss=metrics["loss"] * (1000 if len(calls) == 13 else 1))
     monkeypatch.setattr(train, "loss_backward", exploding)
-    with pytest.raises(train.UserError, match="after 12 iterations: loss .* is far above its running median"):
+    with pytest.raises(train.UserError, match="after 12 iterations: loss .* is above .* running median"):
         train.main(tiny_cfg(toy_data, tmp_path / "run", max_iters=20, save_interval=4))
-    with open(tmp_path / "run" / "ckpt" / "trainer" / "state.json") as f:
-        assert json.load(f)["iter"] == 12
+    assert saved_iter(tmp_path / "run" / "ckpt") == 12
 
 
 def test_non_finite_weights_stop_the_run_with_the_guards_message(toy_data, tmp_path):
@@ -172,7 +279,7 @@ def test_resume_refuses_a_changed_run_naming_the_key(finished_run, tmp_path, cha
 def test_resume_can_extend_a_finished_run_and_redoes_nothing(finished_run, tmp_path, toy_data):
     """max_iters 2 -> 4 on a finished run trains iterations 3 and 4; the log keeps one record per
     iteration (records after the checkpoint -- here fakes -- are dropped); the accuracy matrix
-    has one row for the (reopened) stage; an extra stage can follow."""
+    has one row for the (reopened) stage; an extra stage can follow, its rows as wide as the others."""
     out = copy_of(finished_run, tmp_path)
     with open(out / "log.jsonl", "a") as f:
         f.write(json.dumps({"iter": 3, "loss": -1.0}) + "\n" + '{"iter": 4, "lo')  # after the checkpoint, half-written
@@ -183,7 +290,9 @@ def test_resume_can_extend_a_finished_run_and_redoes_nothing(finished_run, tmp_p
         assert json.load(f)["stages"] == ["toy/add"]
     train.main(tiny_cfg(toy_data, out, init_from="resume", stages="toy/add:4,toy/sub:1"))
     with open(out / "accuracy_matrix.json") as f:
-        assert json.load(f)["stages"] == ["toy/add", "toy/sub"]
+        matrix = json.load(f)
+    assert matrix["stages"] == ["toy/add", "toy/sub"] and matrix["eval_sets"] == ["toy/add"]
+    assert [len(row) for row in matrix["rows"]] == [1, 1]  # the added stage's set is no new (ragged) column
 
 
 # ----------------------------------------------------------------------------- 4. every bad input is one line

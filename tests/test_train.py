@@ -8,7 +8,6 @@ import torch
 
 from conftest import TINY, defaults, read_log, run_train
 
-import checkpoint
 import models
 import train
 
@@ -187,7 +186,7 @@ def test_non_finite_gradient_is_refused(toy_data):
     cfg, model, tokenizer = tiny_setup(toy_data, "sft")
     next(model.parameters()).grad = torch.full_like(next(model.parameters()), float("inf"))
     before = [p.detach().clone() for p in model.parameters()]
-    with pytest.raises(checkpoint.Collapse, match="gradient norm"):
+    with pytest.raises(train.Collapse, match="gradient norm"):
         train.optimizer_step(model, torch.optim.AdamW(model.parameters()), 1.0)
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # no step taken
 
@@ -206,26 +205,6 @@ def test_sft_normalises_by_every_ranks_tokens_and_reports_its_own(toy_data):
     train.metrics.iteration_record(record, metrics, dict.fromkeys(("loss", "reference_s", "teacher_s", "student_s") + train.metrics.TOKEN_SUMS, 0.0),
                                    algo="sft", distill=cfg["distill"], world=2, global_sum=two_ranks, ratio_max=0.0)
     assert record["tokens"] == 2 * n
-
-
-def test_collapse_guard_on_zero_accuracy_or_empty_responses():
-    cfg = dict(defaults(), collapse_patience=2)
-    state = {"iter": 0, "zero_acc_evals": 0, "eval_len": {"a": 5.0, "b": 5.0}, "best": {"a": 0.4}}
-    checkpoint.check_health({"a": 0.0, "b": 0.5}, "a", state, cfg)  # one bad eval: not yet
-    with pytest.raises(checkpoint.Collapse, match="2 evals"):
-        checkpoint.check_health({"a": 0.0, "b": 0.5}, "a", state, cfg)
-    never = {"iter": 0, "zero_acc_evals": 0, "eval_len": {"a": 5.0}, "best": {"a": 0.0}}
-    for _ in range(3):  # zero from the start (a scratch model) is not a collapse: nothing was lost
-        checkpoint.check_health({"a": 0.0}, "a", never, cfg)
-    state = {"iter": 0, "zero_acc_evals": 0, "eval_len": {"a": 1.0}}
-    checkpoint.check_health({"a": 0.3}, "a", state, cfg)  # accurate but empty: counts
-    assert state["zero_acc_evals"] == 1
-    state["eval_len"]["a"] = 9.0
-    checkpoint.check_health({"a": 0.3}, "a", state, cfg)  # recovered: the count resets
-    assert state["zero_acc_evals"] == 0
-    state["eval_len"]["a"] = 1.0
-    checkpoint.check_health({"a": 0.3}, "a", state, dict(cfg, stop_on_collapse=False))
-    checkpoint.check_health({"a": 0.3}, "a", state, dict(cfg, stop_on_collapse=False))  # off: never raises
 
 
 def test_teacher_reads_the_same_token_positions_as_the_student(toy_data):

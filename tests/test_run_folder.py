@@ -1,0 +1,330 @@
+"""The run folder under races and odd states: one holder of out_dir's lock at a time, a lock that
+dies with its process, eval.py that never overwrites what it did not write and reads a checkpoint
+consistently while a run saves one."""
+import errno
+import json
+import multiprocessing
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+from conftest import ROOT, read_log
+from test_reliability import cli_cfg, listing, one_line_error, tiny_cfg
+
+import checkpoint
+import eval as ev
+import train
+from configurator import UserError
+
+
+def _contend(out_dir, start, results, release):
+    """One racer: wait for the start, try the lock, report, and (holding) keep it until told."""
+    start.wait()
+    try:
+        with checkpoint.locked(out_dir):
+            results.put(("held", os.getpid()))
+            release.wait(30)
+    except UserError as e:
+        results.put(("refused", str(e)))
+    except BaseException as e:  # noqa: BLE001  (anything else is what the test looks for)
+        results.put(("crashed", repr(e)))
+
+
+@pytest.mark.parametrize("before", ["no lock file", "an empty lock file", "a dead run's lock file"])
+def test_racing_runs_get_exactly_one_holder_of_the_lock(tmp_path, before):
+    """8 processes start at once, 20 times over: exactly one holds the lock (kept until every other
+    has tried), the others are refused with one line, none crashes."""
+    ctx = multiprocessing.get_context("fork")  # cheap starts: checkpoint (and torch) already imported
+    for trial in range(20):
+        out = tmp_path / f"t{trial}"
+        out.mkdir()
+        if before != "no lock file":
+            (out / ".lock").write_text("" if before == "an empty lock file" else "999999999")
+        start, release, results = ctx.Event(), ctx.Event(), ctx.Queue()
+        racers = [ctx.Process(target=_contend, args=(str(out), start, results, release)) for _ in range(8)]
+        for p in racers:
+            p.start()
+        start.set()
+        outcomes = [results.get(timeout=60) for _ in racers]
+        release.set()
+        for p in racers:
+            p.join(30)
+        kinds = [kind for kind, _ in outcomes]
+        assert kinds.count("held") == 1 and kinds.count("refused") == 7, (trial, outcomes)
+        assert all("in use by another run" in msg and "\n" not in msg for kind, msg in outcomes if kind == "refused")
+
+
+def _hold_forever(out_dir, ready):
+    with checkpoint.locked(out_dir):
+        ready.set()
+        time.sleep(600)
+
+
+def test_the_lock_dies_with_its_process_and_a_leftover_file_blocks_nothing(tmp_path):
+    ctx = multiprocessing.get_context("fork")
+    ready = ctx.Event()
+    holder = ctx.Process(target=_hold_forever, args=(str(tmp_path), ready))
+    holder.start()
+    assert ready.wait(60)
+    with pytest.raises(UserError, match=f"is in use by another run \\(pid {holder.pid}\\)"):
+        with checkpoint.locked(str(tmp_path)):
+            pass
+    os.kill(holder.pid, signal.SIGKILL)  # kill -9: no cleanup runs
+    holder.join(30)
+    with checkpoint.locked(str(tmp_path)):  # taken at once: the kernel released it
+        assert (tmp_path / ".lock").read_text() == str(os.getpid())
+    (tmp_path / ".lock").write_text(str(os.getppid()))  # a live pid (as after a pid reuse) in a lock nobody holds
+    with checkpoint.locked(str(tmp_path)):
+        pass
+
+
+@pytest.mark.parametrize("odd", ["a directory", "a dangling symbolic link"])
+def test_an_odd_lock_path_is_one_line(tmp_path, odd):
+    if odd == "a directory":
+        (tmp_path / ".lock").mkdir()
+    else:
+        (tmp_path / ".lock").symlink_to(tmp_path / "nowhere")
+    with pytest.raises(UserError) as e:
+        with checkpoint.locked(str(tmp_path)):
+            pass
+    kind = "directory" if odd == "a directory" else "symbolic link"
+    assert f"{tmp_path / '.lock'} is a {kind}, not a lock file" in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+# ----------------------------------------------------------------------------- eval.py on a run folder
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory, toy_data):
+    """A finished 2-iteration SFT run (copied by the tests that change it)."""
+    out = tmp_path_factory.mktemp("finished") / "run"
+    train.main(tiny_cfg(toy_data, out))
+    return out
+
+
+def copy_of(run, tmp_path):
+    shutil.copytree(run, tmp_path / "run")
+    return tmp_path / "run"
+
+
+def eval_cfg(**overrides):
+    """eval.py's defaults, at the smallest settings."""
+    from configurator import configure
+    cfg = configure(dict(vars(ev)), ["--n=1", "--k=1", "--max_prompts=2", "--drift_prompts=0", "--spectral_k=-1",
+                                     "--base_model=none", "--stage_drift=False", "--device=cpu"], ev.__file__)
+    return dict(cfg, **overrides)
+
+
+def test_eval_out_never_overwrites_a_file_it_did_not_write(finished_run, tmp_path):
+    run = copy_of(finished_run, tmp_path)
+    readme, config = tmp_path / "README.md", run / "ckpt" / "config.json"
+    readme.write_text("# my notes\n")
+    before = config.read_bytes()
+    line = one_line_error(subprocess.run([sys.executable, "eval.py", f"--run_dir={run}", f"--out={readme}"], cwd=ROOT,
+                                         capture_output=True, text=True, timeout=300))
+    assert "give a path ending in .json" in line
+    (tmp_path / "notes.json").write_text('{"mine": 1}')
+    (tmp_path / "other.md").write_text("# mine\n")  # beside an absent other.json: the markdown would be replaced
+    for out in (config, tmp_path / "notes.json", tmp_path / "other.json"):
+        with pytest.raises(train.UserError, match="exists and is not a report eval.py wrote"):
+            ev.main(eval_cfg(run_dir=str(run), out=str(out)))
+    assert (tmp_path / "notes.json").read_text() == '{"mine": 1}' and (tmp_path / "other.md").read_text() == "# mine\n"
+    assert readme.read_text() == "# my notes\n" and config.read_bytes() == before
+    ev.main(eval_cfg(run_dir=str(run)))  # its own report, written twice: the second overwrites the first
+    ev.main(eval_cfg(run_dir=str(run)))
+    with open(run / "eval.json") as f:
+        assert json.load(f)["written_by"] == ev.REPORT_MARK
+    assert (run / "eval.md").read_text().startswith("# eval: ")
+
+
+def test_eval_waits_for_a_checkpoint_being_saved_and_reads_one_a_crash_left(finished_run, tmp_path):
+    """train.py holds .ckpt.lock while ckpt/ is between its renames: eval.py's load waits for the
+    save to end instead of taking the missing folder for a hub id; after a crash there (no lock
+    held, no ckpt/) it loads the complete ckpt.old."""
+    run = copy_of(finished_run, tmp_path)
+    ckpt, old = run / "ckpt", run / "ckpt.old"
+    loaded = []
+    with checkpoint.writing(str(ckpt)):  # this test is the trainer now
+        os.replace(ckpt, old)
+        reader = threading.Thread(target=lambda: loaded.append(ev.load(str(ckpt), {}, torch.device("cpu"))))
+        reader.start()
+        reader.join(1.0)
+        assert not loaded  # waiting on the lock (a read of the half-renamed folder would have failed by now)
+        os.replace(old, ckpt)
+    reader.join(120)
+    assert loaded and loaded[0][0].config.num_hidden_layers == 1
+    os.replace(ckpt, old)  # a crash between the renames: no ckpt/, nobody holds the lock
+    model_, _ = ev.load(str(ckpt), {}, torch.device("cpu"))
+    assert ev.read_run(str(run))["state"]["iter"] == 2
+
+
+@pytest.mark.parametrize("damage", ["half-written matrix", "ragged matrix", "half-written state", "a list for state"])
+def test_eval_reads_a_damaged_run_file_as_one_line(finished_run, tmp_path, damage):
+    run = copy_of(finished_run, tmp_path)
+    matrix, state = run / "accuracy_matrix.json", run / "ckpt" / "trainer" / "state.json"
+    if damage == "half-written matrix":
+        matrix.write_text(matrix.read_text()[:20])
+    elif damage == "ragged matrix":
+        m = json.loads(matrix.read_text())
+        m["rows"].append([0.5, 0.5])  # a second stage with one set more than eval_sets
+        m["stages"].append("toy/sub")
+        matrix.write_text(json.dumps(m))
+    elif damage == "half-written state":
+        state.write_text(state.read_text()[:50])
+    else:
+        state.write_text("[1, 2]")
+    target = matrix if "matrix" in damage else state
+    with pytest.raises(train.UserError) as e:
+        ev.main(eval_cfg(run_dir=str(run)))
+    assert str(target) in str(e.value) and "\n" not in str(e.value)
+
+
+# ----------------------------------------------------------------------------- resume: crashes, damage, another run
+def _crash_at(k, fn, *args):
+    """Run fn(*args) in this (forked) process, killed with SIGKILL just before its (k+1)-th change
+    to the disk: a rename, link, mkdir, unlink or rmdir."""
+    calls = [0]
+
+    def counted(real):
+        def wrapper(*a, **kw):
+            calls[0] += 1
+            if calls[0] > k:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return real(*a, **kw)
+        return wrapper
+    for name in ("replace", "link", "mkdir", "unlink", "rmdir"):
+        setattr(os, name, counted(getattr(os, name)))
+    fn(*args)
+
+
+def test_a_kill_at_any_point_of_keep_as_good_leaves_a_ckpt_good_that_the_next_start_recovers(finished_run, tmp_path):
+    ctx = multiprocessing.get_context("fork")
+    for k in range(500):
+        run = tmp_path / f"k{k}"
+        shutil.copytree(finished_run, run)
+        ckpt, good = run / "ckpt", run / "ckpt_good"
+        state = json.loads((good / "trainer" / "state.json").read_text())
+        (good / "trainer" / "state.json").unlink()  # the earlier ckpt_good: the same files, iteration 1
+        (good / "trainer" / "state.json").write_text(json.dumps(dict(state, iter=1)))
+        child = ctx.Process(target=_crash_at, args=(k, checkpoint.keep_as_good, str(ckpt), str(good)))
+        child.start()
+        child.join(60)
+        with checkpoint.take_over(str(run), resume=True, overwrite=False):
+            pass  # recovers ckpt/ and ckpt_good/
+        assert checkpoint.read_state(str(good))["iter"] in (1, 2), k  # complete, every file sound: old or new
+        if child.exitcode == 0:
+            assert checkpoint.read_state(str(good))["iter"] == 2 and k > 5
+            break
+        assert child.exitcode == -signal.SIGKILL
+    else:
+        pytest.fail("keep_as_good never finished")
+
+
+def resumed(run, *args):
+    return train.main(cli_cfg(f"--out_dir={run}", "--init_from=resume", *args))
+
+
+def test_a_resume_drops_the_samples_after_its_checkpoint_as_it_does_log_rows(toy_data, tmp_path):
+    run = tmp_path / "run"
+    train.main(tiny_cfg(toy_data, run, algo="grpo"))  # 2 iterations: samples at the end of the stage
+    fake = "from a run killed after its checkpoint"
+    with open(run / "samples.jsonl", "a") as f:
+        f.write(json.dumps({"iter": 3, "prompt": fake, "response": ""}) + "\n" + '{"iter": 4, "pro')
+    train.main(tiny_cfg(toy_data, run, algo="grpo", init_from="resume", max_iters=3))
+    rows = [json.loads(line) for line in (run / "samples.jsonl").read_text().splitlines()]
+    assert {r["iter"] for r in rows} == {2, 3} and all(r["prompt"] != fake for r in rows)
+
+
+@pytest.mark.parametrize("edit,expect", [
+    (lambda s: s.pop("iter"), "iter is missing"),
+    (lambda s: s.update(iter=-7), "iter is -7, not an int >= 0"),
+    (lambda s: s.update(iter="3"), "iter is '3', not an int >= 0"),
+    (lambda s: s.pop("guard"), "guard is missing"),
+    (lambda s: s["guard"].update(best=[0.5]), "guard.best is [0.5], not a dict"),
+    (lambda s: s.update(world=2), "written by 2 rank(s), this run has 1"),
+])
+def test_a_state_json_that_parses_but_is_not_this_runs_is_one_line_and_truncates_nothing(finished_run, tmp_path, edit,
+                                                                                          expect):
+    run = copy_of(finished_run, tmp_path)
+    path = run / "ckpt" / "trainer" / "state.json"
+    state = json.loads(path.read_text())
+    edit(state)
+    path.write_text(json.dumps(state))
+    with open(run / "log.jsonl", "a") as f:  # rows after the checkpoint: a resume would drop them, a refusal must not
+        f.write(json.dumps({"iter": 3, "loss": 1.0}) + "\n")
+    before = listing(run)
+    with pytest.raises(train.UserError) as e:
+        resumed(run, "--max_iters=3")
+    assert expect in str(e.value) and "\n" not in str(e.value)
+    assert listing(run) == before
+
+
+def test_a_resume_on_other_data_is_refused_naming_the_file(finished_run, tmp_path):
+    run, data = copy_of(finished_run, tmp_path), tmp_path / "data"
+    shutil.copytree(os.path.join(ROOT, "data", "toy", "add"), data / "toy" / "add")
+    lines = (data / "toy" / "add" / "train.jsonl").read_text().splitlines(keepends=True)
+    (data / "toy" / "add" / "train.jsonl").write_text("".join(lines[:-1]))  # one record fewer
+    with pytest.raises(train.UserError, match=r"toy/add/train.jsonl in data_dir is not the file this run trained on"):
+        resumed(run, "--max_iters=3", f"--data_dir={data}")
+    (data / "toy" / "add" / "train.jsonl").write_text("".join(lines))  # the same data elsewhere: data_dir may move
+    resumed(run, "--max_iters=3", f"--data_dir={data}")
+    assert [r["iter"] for r in read_log(run) if "loss" in r] == [1, 2, 3]
+
+
+# ----------------------------------------------------------------------------- a full or read-only disk
+@pytest.mark.parametrize("error", [errno.ENOSPC, errno.EROFS])
+def test_a_full_or_read_only_disk_while_saving_is_one_line_and_loses_nothing(toy_data, tmp_path, monkeypatch, error):
+    """The optimizer file of the second checkpoint fails to write: one line naming the folder, the
+    space; ckpt/ still holds the first checkpoint (iteration 2), nothing half-written stays, and the
+    run continues from it once the disk is back."""
+    run, real, calls = tmp_path / "run", checkpoint.save_file, []
+
+    def failing(tensors, path, *a, **kw):
+        calls.append(path)
+        if len(calls) == 3:  # iteration 0 (the initial model), iteration 2, then iteration 4
+            raise OSError(error, os.strerror(error))
+        return real(tensors, path, *a, **kw)
+    monkeypatch.setattr(checkpoint, "save_file", failing)
+    with pytest.raises(train.UserError) as e:
+        train.main(tiny_cfg(toy_data, run, max_iters=6, save_interval=2))
+    msg = str(e.value)
+    assert f"cannot write {run / 'ckpt.tmp'} ({os.strerror(error)};" in msg and "MB free there, about" in msg
+    assert f"{run / 'ckpt'} still holds the previous one" in msg and "\n" not in msg
+    assert checkpoint.read_state(str(run / "ckpt"))["iter"] == 2 and not (run / "ckpt.tmp").exists()
+    monkeypatch.setattr(checkpoint, "save_file", real)
+    train.main(tiny_cfg(toy_data, run, max_iters=6, save_interval=2, init_from="resume"))
+    assert [r["iter"] for r in read_log(run) if "loss" in r] == [1, 2, 3, 4, 5, 6]
+
+
+def test_a_full_disk_while_logging_is_one_line(tmp_path, monkeypatch):
+    import builtins
+    import metrics
+    real_open = builtins.open
+
+    def full(path, mode="r", *a, **kw):
+        if str(path).endswith("log.jsonl") and "a" in mode:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_open(path, mode, *a, **kw)
+    monkeypatch.setattr(builtins, "open", full)
+    with pytest.raises(UserError, match=f"^cannot write {tmp_path / 'log.jsonl'} \\(No space left on device\\)"):
+        metrics.RunLog(str(tmp_path), True, None, True).record({"iter": 1})
+
+
+# ----------------------------------------------------------------------------- file modes
+def test_checkpoint_files_get_the_umasks_mode_like_every_other_file(tmp_path, toy_data):
+    """safetensors writes 0600; a checkpoint (and ckpt_good, a stage snapshot) is 0644 under umask 022."""
+    old = os.umask(0o022)
+    try:
+        run = tmp_path / "run"
+        train.main(tiny_cfg(toy_data, run, stages="toy/add:1,toy/sub:1"))
+    finally:
+        os.umask(old)
+    folders = [run / "ckpt", run / "ckpt_good", run / "stage1_toy_add"]
+    modes = {p.relative_to(run): oct(p.stat().st_mode & 0o777) for f in folders for p in f.rglob("*") if p.is_file()}
+    assert any(str(p).endswith("optimizer.safetensors") for p in modes) and set(modes.values()) == {"0o644"}, modes
