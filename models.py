@@ -16,6 +16,7 @@ import contextlib
 import copy
 import functools
 import inspect
+import math
 import os
 
 import torch
@@ -25,6 +26,7 @@ from huggingface_hub.utils import logging as hf_hub_logging
 from transformers.utils import logging as hf_logging
 
 from configurator import UserError
+from data import tasks as data_tasks
 
 # progress bars and hub retry warnings would bury the one-line errors and the training log
 hf_logging.disable_progress_bar()
@@ -252,10 +254,17 @@ def has_chat_template(tokenizer):
 
 def prompt_ids(tokenizer, messages, enable_thinking=False):
     """A prompt's token ids, ending where the reply starts: the chat template with its generation
-    prefix, or, for a tokenizer without one (a base model), the messages' contents one per line."""
+    prefix, or, for a tokenizer without one (a base model), the messages' contents one per line.
+    A template that refuses the messages (Gemma's raises "System role not supported") is one line."""
     if has_chat_template(tokenizer):
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
-                                             enable_thinking=enable_thinking)
+        try:
+            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                                 enable_thinking=enable_thinking)
+        except Exception as e:  # jinja2's TemplateError from the template's raise_exception(), ...
+            roles = ", ".join(m.get("role", "?") for m in messages)
+            reason = " ".join(str(e).split()) or type(e).__name__
+            raise ModelError(f"the tokenizer's chat template refused a prompt with roles [{roles}]: {reason} (change the "
+                             "data's turns, e.g. fold the system turn into the user's, or the tokenizer's chat_template)") from None
         return tokenizer.encode(text, add_special_tokens=False)
     return tokenizer.encode("\n".join(m["content"] for m in messages) + "\n", add_special_tokens=True)
 
@@ -263,6 +272,70 @@ def prompt_ids(tokenizer, messages, enable_thinking=False):
 def context_length(model):
     config = model.config.get_text_config()
     return getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+
+
+def prompt_budget(model, max_new_tokens, max_prompt_len=0):
+    """(prompt cap, context): the most prompt tokens the model reads before max_new_tokens of
+    response (max_prompt_len, or the context minus max_new_tokens); nothing left is one line."""
+    context = context_length(model) or math.inf
+    cap = max_prompt_len or context - max_new_tokens
+    if cap <= 0 or cap + max_new_tokens > context:
+        asked = f"max_prompt_len={max_prompt_len} + " if max_prompt_len else ""
+        raise UserError(f"{asked}max_new_tokens={max_new_tokens} exceeds the model's context of {context} tokens: "
+                        "lower them")
+    return cap, context
+
+
+CHARS_PER_TOKEN = 64  # no tokenizer spells one token with more: a longer text is too long without tokenizing it
+
+
+def dropped_characters(tokenizer, texts, ids):
+    """The characters of texts that the token ids do not spell back: what the tokenizer drops (the
+    toy tokenizer knows printable ASCII and newline only) or maps to its unknown token."""
+    wanted = set().union(*map(set, texts)) - set(" \t\n\r")
+    return sorted(wanted - set(tokenizer.decode(ids, skip_special_tokens=False))) if wanted else []
+
+
+def fit_tasks(tasks, name, tokenizer, *, cap, enable_thinking=False, context=None, say=print,
+              fix="raise max_prompt_len (or use a model with a longer context)", required=True):
+    """The tasks whose prompt (through the chat template) is at most `cap` tokens, and with
+    `context` (SFT) whose prompt + solution + EOS fits it; the others are left out and counted.
+    A text far longer in characters is left out without being tokenized (bounded time on any
+    input). Characters the tokenizer would drop silently are refused for a character-level
+    tokenizer (under 256 tokens: the toy's) and a warning for any other."""
+    ids_of = {}
+
+    def prompt_fits(task):
+        if data_tasks.prompt_chars(task) > CHARS_PER_TOKEN * cap:
+            return False
+        ids_of[id(task)] = prompt_ids(tokenizer, task["messages"], enable_thinking)
+        return len(ids_of[id(task)]) <= cap
+
+    def sequence_fits(task):  # SFT trains on prompt + solution + EOS, one sequence
+        if len(task["solution"]) > CHARS_PER_TOKEN * context:
+            return False
+        ids_of[id(task)] = ids_of[id(task)] + tokenizer.encode(task["solution"], add_special_tokens=False)
+        return len(ids_of[id(task)]) + 1 <= context
+    kept = data_tasks.fitting(tasks, name, prompt_fits, say, why=f"longer than {cap} tokens", fix=fix, required=required)
+    if context is not None:
+        kept = data_tasks.fitting(kept, name, sequence_fits, say, what="SFT tasks", required=required,
+                                  why=f"whose prompt + solution is longer than the model's {context}-token context",
+                                  fix="shorten the solutions (or use a model with a longer context)")
+    dropped = []
+    for task in kept:
+        texts = [m["content"] for m in task["messages"]] + ([task["solution"]] if context is not None else [])
+        lost = dropped_characters(tokenizer, texts, ids_of[id(task)])
+        if lost and len(tokenizer) < 256:
+            raise UserError(f"{name}: task {task.get('id', '?')}: the {len(tokenizer)}-token tokenizer cannot encode "
+                            f"{''.join(lost)[:40]!r} and would drop it silently: remove those characters from the data "
+                            "(the toy tokenizer knows printable ASCII and newline) or use a model whose tokenizer has them")
+        if lost:
+            dropped.append((task.get("id", "?"), lost))
+    if dropped:
+        chars = "".join(sorted({c for _, lost in dropped for c in lost}))
+        say(f"warning: {name}: {len(dropped)} tasks hold characters the tokenizer cannot encode ({chars[:40]!r}; task "
+            f"{dropped[0][0]} first): the model never sees them")
+    return kept
 
 
 def load_model(init, dev, dtype=torch.float32, scratch=None):

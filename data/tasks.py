@@ -3,17 +3,39 @@ The task files: data_dir/<name>/{train,test}.jsonl, one task a line, written by 
 and read (every record checked up front) by train.py:
 
     {"id": str, "domain": str, "kind": "math" | "mcq" | "tool" | "exact", "answer": str,
-     "messages": [{"role": "system" | "user", "content": str}, ...], "solution": str (optional)}
+     "messages": [{"role": "system" | "user" | "assistant", "content": str}, ...], "solution": str (optional)}
 
-`messages` is the prompt (an optional system turn, then the user turn); `kind` picks the answer
-checker (data/checkers.py); `solution` is the reference response that SFT trains on. Standard library
+`messages` is the prompt (an optional system turn, then the user turn; earlier user / assistant
+turns are few-shot examples); `kind` picks the answer checker (data/checkers.py) and the answer's
+shape (checkers.answer_problem: an mcq letter, a tool call list); `solution` is the reference
+response that SFT trains on. Standard library
 only.
 """
 import json
 import os
 
 from configurator import UserError
-from data.checkers import answer_text
+from data.checkers import answer_problem
+
+ROLES = ("system", "user", "assistant")
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def resolve(path):
+    """A relative path as given when it exists from the working directory, else the same path
+    under the repository when it exists there (`python ~/nanoSDPO/train.py` run from elsewhere
+    still finds data/ and data/toy/tokenizer); else unchanged."""
+    if os.path.isabs(path) or os.path.exists(path):
+        return path
+    beside = os.path.join(REPO, path)
+    return beside if os.path.exists(beside) else path
+
+
+def searched(path):
+    """Where a missing relative path was looked for, for the error message."""
+    if os.path.isabs(path):
+        return path
+    return f"{os.path.abspath(path)} or {os.path.join(REPO, path)}"
 
 
 def load(name, split, data_dir="data", kinds=(), need_solution=False):
@@ -21,10 +43,12 @@ def load(name, split, data_dir="data", kinds=(), need_solution=False):
     against `kinds`; each error is one line naming file:line, the field and the fix."""
     tasks = []
     for part in name.split("+"):
-        path = os.path.join(data_dir, part, f"{split}.jsonl")
+        path = resolve(os.path.join(data_dir, part, f"{split}.jsonl"))
         if not os.path.exists(path):
             prepare = os.path.join(data_dir, part.split("/")[0], "prepare.py")
-            raise UserError(f"{path} not found: run `python {prepare}` first")
+            raise UserError(f"{path} not found (looked for {searched(path)}): run `python {prepare}` first")
+        if not os.path.isfile(path):
+            raise UserError(f"{path} is not a file: a task set is data_dir/<name>/{split}.jsonl, one task a line")
         with open(path, "rb") as f:
             for lineno, raw in enumerate(f, 1):
                 where = f"{path}:{lineno}"
@@ -51,24 +75,39 @@ def check(task, where, kinds, need_solution=False):
         raise UserError(f"{where}: a task must be a JSON object with kind, messages and answer")
     if task.get("kind") not in kinds:
         raise UserError(f"{where}: kind={task.get('kind')!r} has no answer checker (one of {', '.join(kinds)})")
-    msgs = task.get("messages")
-    if not (isinstance(msgs, list) and msgs and all(isinstance(m, dict) and isinstance(m.get("role"), str)
-                                                    and isinstance(m.get("content"), str) for m in msgs)):
-        raise UserError(f"{where}: messages must be a non-empty list of {{\"role\": str, \"content\": str}} objects")
-    if not answer_text(task.get("answer")).strip():
-        raise UserError(f"{where}: answer is missing or empty: every task needs a reference answer")
+    check_messages(task.get("messages"), where)
+    problem = answer_problem(task["kind"], task.get("answer"))
+    if problem:
+        raise UserError(f"{where}: {problem}")
     if need_solution and not (isinstance(task.get("solution"), str) and task["solution"].strip()):
         raise UserError(f"{where}: algo=sft needs a 'solution' (the reference response) in every training task")
 
 
-def fitting(tasks, name, cap, length, say=print):
-    """The tasks whose prompt is at most `cap` tokens (length(messages) counts them); the others are
-    left out and counted. A prompt far longer in characters is left out without being tokenized
-    (bounded time on any input); none left is an error."""
-    kept = [t for t in tasks if sum(len(m["content"]) for m in t["messages"]) <= 64 * cap and length(t["messages"]) <= cap]
+def check_messages(msgs, where):
+    """A prompt: chat turns with a role the chat templates know, the user's turn last (the reply
+    follows it, and the teacher rewrites it)."""
+    if not (isinstance(msgs, list) and msgs and all(isinstance(m, dict) and isinstance(m.get("role"), str)
+                                                    and isinstance(m.get("content"), str) for m in msgs)):
+        raise UserError(f"{where}: messages must be a non-empty list of {{\"role\": str, \"content\": str}} objects")
+    odd = next((m["role"] for m in msgs if m["role"] not in ROLES), None)
+    if odd is not None:
+        raise UserError(f"{where}: message role {odd!r} is not one of {', '.join(ROLES)}")
+    if msgs[-1]["role"] != "user":
+        raise UserError(f"{where}: the last message must be the user's turn (the response answers it), not "
+                        f"{msgs[-1]['role']!r}")
+
+
+def prompt_chars(task):
+    return sum(len(m["content"]) for m in task["messages"])
+
+
+def fitting(tasks, name, fits, say=print, *, what="prompts", why, fix, required=True):
+    """The tasks for which fits(task) holds; the others are left out and counted in one line
+    ("NAME: left out 3 of 100 prompts longer than 200 tokens"). None left is an error (naming the
+    fix) when the set is required."""
+    kept = [t for t in tasks if fits(t)]
     if len(kept) < len(tasks):
-        say(f"{name}: left out {len(tasks) - len(kept)} of {len(tasks)} prompts longer than {cap} tokens")
-    if not kept:
-        raise UserError(f"{name}: every prompt is longer than {cap} tokens: raise max_prompt_len (or use a model with a "
-                        "longer context)")
+        say(f"{name}: left out {len(tasks) - len(kept)} of {len(tasks)} {what} {why}")
+    if not kept and required:
+        raise UserError(f"{name}: all {len(tasks)} {what} are {why}: {fix}")
     return kept
