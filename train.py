@@ -83,7 +83,7 @@ from transformers import DynamicCache
 import checkpoint
 from checkpoint import Collapse, check_health, check_step
 import metrics
-from configurator import UserError, require
+from configurator import UserError, check_seed, check_template, require
 from data import checkers, tasks as task_files
 from models import (Dist, amp_dtype, context_length, enable_grad_checkpointing, fit_tasks, forward_with_cache, frozen_copy,
                     has_chat_template, lm_head, load_model, make_autocast, pad_batch, prompt_budget, prompt_ids,
@@ -241,6 +241,10 @@ def check_config(cfg):
         raise UserError("teacher_init sets the starting weights of a frozen or EMA teacher: it needs algo=sdpo with "
                         "teacher=frozen or ema (live is the student, trust_region mixes in the initial model)")
     parse_stages(cfg["stages"], cfg["dataset"], cfg["max_iters"])
+    check_seed(cfg["seed"])
+    for key, fields in (("reprompt_template", ("prompt", "solution", "feedback")), ("solution_template", ("solution",)),
+                        ("feedback_template", ("feedback",))):
+        check_template(key, cfg[key], fields)
 
 
 def parse_stages(stages, dataset, max_iters):
@@ -1240,6 +1244,7 @@ def setup(cfg, ddp, stack):
                                     [n for name, _ in stages for n in name.split("+")]))
     train_tasks = {name: load_tasks(name, "train", cfg["data_dir"], need_solution=cfg["algo"] == "sft") for name, _ in stages}
     eval_tasks = {name: load_tasks(name, "test", cfg["data_dir"])[:cfg["eval_max_prompts"] or None] for name in eval_names}
+    ddp.check_same(task_files.fingerprint(train_tasks, eval_tasks), f"the task files under data_dir={cfg['data_dir']}")
     wandb = require("wandb", "wandb_log=True") if cfg["wandb_log"] and ddp.master else None  # optional packages
     if cfg["math_checker"] == "math_verify":
         require("math_verify", "math_checker=math_verify", "math-verify")

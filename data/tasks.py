@@ -11,6 +11,7 @@ shape (checkers.answer_problem: an mcq letter, a tool call list); `solution` is 
 response that SFT trains on. Standard library
 only.
 """
+import hashlib
 import json
 import os
 
@@ -47,25 +48,46 @@ def load(name, split, data_dir="data", kinds=(), need_solution=False):
         if not os.path.exists(path):
             prepare = os.path.join(data_dir, part.split("/")[0], "prepare.py")
             raise UserError(f"{path} not found (looked for {searched(path)}): run `python {prepare}` first")
-        if not os.path.isfile(path):
-            raise UserError(f"{path} is not a file: a task set is data_dir/<name>/{split}.jsonl, one task a line")
-        with open(path, "rb") as f:
-            for lineno, raw in enumerate(f, 1):
-                where = f"{path}:{lineno}"
-                try:
-                    line = raw.decode("utf-8")
-                except UnicodeDecodeError:
-                    raise UserError(f"{where}: not UTF-8 text: re-encode the file as UTF-8") from None
-                if not line.strip():
-                    continue
-                try:
-                    task = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise UserError(f"{where}: not valid JSON ({e.msg})") from None
-                check(task, where, kinds, need_solution)
-                tasks.append(task)
+        tasks += read_jsonl(path, kinds, need_solution)
     if not tasks:
         raise UserError(f"{name} ({split}) has no tasks: the file is empty; rerun its prepare.py")
+    return tasks
+
+
+def read_lines(path):
+    """[(lineno, text)] of a UTF-8 text file's non-blank lines; a directory, an unreadable file or
+    bytes that are not UTF-8 are one line."""
+    if os.path.isdir(path):
+        raise UserError(f"{path} is a directory, not a file")
+    try:
+        with open(path, "rb") as f:
+            raw_lines = f.read().split(b"\n")
+    except FileNotFoundError:
+        raise UserError(f"{path} not found (looked for {searched(path)})") from None
+    except OSError as e:
+        raise UserError(f"{path} cannot be read: {e.strerror or e}") from None
+    lines = []
+    for lineno, raw in enumerate(raw_lines, 1):
+        try:
+            line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
+        except UnicodeDecodeError:
+            raise UserError(f"{path}:{lineno}: not UTF-8 text: re-encode the file as UTF-8") from None
+        if line.strip():
+            lines.append((lineno, line.rstrip("\r")))
+    return lines
+
+
+def read_jsonl(path, kinds, need_solution=False):
+    """Every task line of one JSONL file, each checked (check)."""
+    tasks = []
+    for lineno, line in read_lines(path):
+        where = f"{path}:{lineno}"
+        try:
+            task = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise UserError(f"{where}: not valid JSON ({e.msg})") from None
+        check(task, where, kinds, need_solution)
+        tasks.append(task)
     return tasks
 
 
@@ -111,3 +133,8 @@ def fitting(tasks, name, fits, say=print, *, what="prompts", why, fix, required=
     if not kept and required:
         raise UserError(f"{name}: all {len(tasks)} {what} are {why}: {fix}")
     return kept
+
+
+def fingerprint(*task_sets):
+    """A short hash of {name: tasks} dicts: equal on every rank when they all read the same data."""
+    return hashlib.sha256(json.dumps(task_sets, sort_keys=True).encode()).hexdigest()[:16]
