@@ -185,13 +185,13 @@ def test_config_file_may_import_and_define_helpers(tmp_path):
     from configurator import configure
     good = tmp_path / "good.py"
     good.write_text("import math\nfrom os import path\nlearning_rate = 1e-3 * math.sqrt(2)\n"
-                    "def half(x):\n    return x / 2\nclass Helper:\n    pass\ndomains = ['toy/add', 'toy/sub']\n"
-                    "stages = '+'.join(domains) + ':10'\nalpha = half(math.pi) / 10\n")
+                    "def half(x):\n    return x / 2\nclass Helper:\n    pass\n_domains = ['toy/add', 'toy/sub']\n"
+                    "stages = '+'.join(_domains) + ':10'\nalpha = half(math.pi) / 10\n")
     cfg = configure(dict(vars(train)), [str(good)], train.__file__)
     assert cfg["learning_rate"] == pytest.approx(1e-3 * 2 ** 0.5)
     assert cfg["alpha"] == pytest.approx(3.141592653589793 / 20)
     assert cfg["stages"] == "toy/add+toy/sub:10"
-    assert not {"math", "path", "half", "Helper", "domains"} & set(cfg)
+    assert not {"math", "path", "half", "Helper", "_domains"} & set(cfg)
 
 
 def test_config_file_unknown_plain_name_is_still_refused(tmp_path):
