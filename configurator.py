@@ -7,13 +7,17 @@ Each positional argument is a python file executed in the script's globals (a co
 a diff against the defaults); each --key=value overrides one default. Values are parsed as
 python literals (plain words stay strings); the type must match the default's (an int where a
 float is expected is fine) and a float must be finite. A config file may import modules and
-define helpers: only plain values (bool/int/float/str) are settings. Every bad input -- an
+define functions and classes; any other name it leaves behind is a setting (a data helper is
+named _x, so that a typo'd key holding a list is not mistaken for one). Every bad input -- an
 unknown key, a wrong type, nan/inf, a config file that is missing, unreadable, has a syntax
-error or raises -- exits with one line naming the key or file:line, before any work is done.
+error, raises or calls sys.exit -- exits with one line naming the key or file:line, before any
+work is done.
 `--help` lists every key with its default and the comment beside it.
 """
 import ast
+import difflib
 import importlib
+import inspect
 import math
 import re
 import traceback
@@ -34,6 +38,13 @@ def require(module, setting, package=None):
         raise UserError(f"{setting} needs the {package or module} package: pip install {package or module}") from None
 
 NON_FINITE_WORDS = {"nan", "inf", "infinity"}  # float() accepts these, with any case and sign
+MAX_SEED = 2 ** 62  # seed + rank / eval offsets must stay inside torch's 64-bit generator seed
+
+
+def check_seed(seed):
+    """A seed every RNG takes (python's, torch's CPU and CUDA generators, with the per-rank offsets)."""
+    if not 0 <= seed <= MAX_SEED:
+        raise UserError(f"seed={seed} must be an integer in [0, 2**62]")
 
 
 def config_keys(scope, source_file):
@@ -46,6 +57,23 @@ def config_keys(scope, source_file):
             if m and isinstance(scope.get(m.group(1)), PLAIN):
                 helps[m.group(1)] = m.group(3)
     return helps
+
+
+def check_template(key, template, fields):
+    """A str.format template setting, tried with a dummy value for each of its fields: an unknown
+    {field}, a positional {} or a lone brace is one line at check time, not a KeyError mid-run."""
+    try:
+        template.format(**{f: "x" for f in fields})
+    except KeyError as e:
+        problem = f"unknown field {{{e.args[0]}}}"
+    except IndexError:
+        problem = "a positional field {} needs a name"
+    except (ValueError, AttributeError, TypeError) as e:
+        problem = one_line(e)
+    else:
+        return
+    raise UserError(f"{key}={template!r}: {problem}: it may use {', '.join('{' + f + '}' for f in fields)} "
+                    "(write {{ and }} for literal braces)")
 
 
 def literal(raw):
@@ -112,24 +140,34 @@ def run_config(path, values):
     namespace = dict(values)
     try:
         exec(code, namespace)
-    except Exception as e:
+    except (Exception, SystemExit, KeyboardInterrupt) as e:  # a config file's sys.exit(0) must not end the run "fine"
         lines = [frame.lineno for frame in traceback.extract_tb(e.__traceback__) if frame.filename == path]
         where = f"{path}:{lines[-1]}" if lines else path
+        if isinstance(e, SystemExit):
+            raise SystemExit(f"error: {where}: the config file exits (sys.exit({e.code!r})): a config file only sets "
+                             "values; remove the exit") from None
         message = f"{type(e).__name__}: {one_line(e)}" if str(e).strip() else type(e).__name__
         raise SystemExit(f"error: {where}: {message}") from None
     return namespace
 
 
+def is_helper(value):
+    """Modules, functions and classes a config file defines or imports: code, never a setting."""
+    return inspect.ismodule(value) or callable(value)
+
+
 def settings_in_file(path, current):
-    """{key: value} a config file sets. Names starting with _ and anything that is not a plain value
-    (modules, functions, classes, lists, None) are the file's own helpers; an unknown plain-valued
-    name is most likely a typo of a key, so it is refused."""
+    """{key: value} a config file sets. Names starting with _ and the modules, functions and classes
+    it imports or defines are its own helpers; any other unknown name holding a value (a number, a
+    string, a list, None, ...) is most likely a typo of a key, so it is refused."""
     out = {}
     for k, v in run_config(path, current).items():
-        if k.startswith("_") or (k not in current and not isinstance(v, PLAIN)):
+        if k.startswith("_") or (k not in current and is_helper(v)):
             continue
         if k not in current:
-            raise SystemExit(f"error: {path} sets unknown config key '{k}' (see --help; name a helper _{k})")
+            close = difflib.get_close_matches(k, list(current), n=1)
+            hint = f"did you mean {close[0]}? " if close else ""
+            raise SystemExit(f"error: {path} sets unknown config key '{k}' ({hint}see --help; name a helper _{k})")
         out[k] = v
     return out
 

@@ -50,7 +50,7 @@ import torch
 import checkpoint
 import models
 import train
-from configurator import configure
+from configurator import check_seed, configure
 from data import checkers
 
 run_dir = ""  # a training run folder (train.py's out_dir): accuracy matrix, per-stage snapshots, base model
@@ -600,6 +600,17 @@ def load(init, run_cfg, dev):
     return model_, tokenizer
 
 
+def fit_sets(sets, loaded, cfg):
+    """Leave out (and count) the prompts that do not fit, before max_new_tokens of response, in the
+    context of every model that reads them (the model and the base score the same prompts), as
+    train.py does for its own; a model with no room at all is one line."""
+    for model_, tokenizer in loaded:
+        cap = models.prompt_budget(model_, cfg["max_new_tokens"])[0]
+        for name in sets:
+            sets[name] = models.fit_tasks(sets[name], name, tokenizer, cap=cap, enable_thinking=cfg["enable_thinking"],
+                                          fix="lower max_new_tokens (or use a model with a longer context)")
+
+
 # ----------------------------------------------------------------------------- one model's numbers
 def sample(model_, tokenizer, tasks, cfg, autocast, *, n, batch_prompts, seed, progress=False):
     """train.evaluate with eval.py's sampling settings: n responses per prompt, on the model's device."""
@@ -826,6 +837,7 @@ def write_plots(report, stem):
 def main(cfg):
     from data.common import EVAL_PRESETS
     from tqdm import tqdm
+    check_seed(cfg["seed"])
     if cfg["n"] < 1 or cfg["batch_prompts"] < 1:
         raise train.UserError("n and batch_prompts must be >= 1")
     if cfg["drift_prompts"] == 1 or cfg["drift_prompts"] < 0:
@@ -857,23 +869,27 @@ def main(cfg):
     for name in names:
         tasks = train.load_tasks(name, "test", cfg["data_dir"])
         sets[name] = tasks[:cfg["max_prompts"]] if cfg["max_prompts"] > 0 else tasks
-    drift_sets = {name: tasks[:cfg["drift_prompts"]] for name, tasks in sets.items()} if cfg["drift_prompts"] else {}
     out_path = cfg["out"] or (os.path.join(cfg["run_dir"], "eval.json") if run else "eval.json")
     stem = check_out(out_path)
     dev = models.pick_device(cfg["device"])
     autocast = models.make_autocast(dev, cfg["dtype"])
 
-    report = {"written_by": REPORT_MARK, "config": cfg, "model": model_path, "base_model": base_path or None,
-              "eval_sets": names, "ks": ks}
-    # the base model first: it embeds every response for response drift
-    base = None
-    base_scores = {}
+    report = {"written_by": REPORT_MARK, "config": cfg, "model": model_path, "base_model": base_path or None, "eval_sets": names, "ks": ks}
+    # both models are loaded (and the prompts fitted to both contexts) before anything is scored
+    print(f"model: {model_path}", flush=True)
+    model_, tokenizer = load(model_path, run_cfg, dev)
     if base_path:
         print(f"base model: {base_path}", flush=True)
         try:
             base_model_, base_tok = load(base_path, run_cfg, dev)
         except train.UserError as e:
             raise train.UserError(f"base model: {e} (set --base_model=<folder or HF id>, or --base_model=none)") from None
+    fit_sets(sets, [(model_, tokenizer)] + ([(base_model_, base_tok)] if base_path else []), cfg)
+    drift_sets = {name: tasks[:cfg["drift_prompts"]] for name, tasks in sets.items()} if cfg["drift_prompts"] else {}
+    # the base model first: it embeds every response for response drift
+    base = None
+    base_scores = {}
+    if base_path:
         base_scores = score_sets(base_model_, base_tok, sets, cfg, ks, autocast, "base")
         base = {"model": base_model_, "tokenizer": base_tok, "state": base_model_.state_dict(),
                 "drift_texts": drift_responses(base_model_, base_tok, drift_sets, cfg, autocast), "drift_emb": {},
@@ -886,8 +902,6 @@ def main(cfg):
                    for texts_ in (base["drift_texts"], floor_a, floor_b)]
             base["drift_emb"][name] = emb[0]
             base["mmd2_floor"][name] = mmd_rbf(emb[1], emb[2], bandwidth(emb[0], emb[1])) if len(tasks) >= 2 else None
-    print(f"model: {model_path}", flush=True)
-    model_, tokenizer = load(model_path, run_cfg, dev)
     scores = score_sets(model_, tokenizer, sets, cfg, ks, autocast, "model")
 
     report["accuracy"] = {name: {"n_prompts": len(sets[name]), "model": scores[name]["metrics"],

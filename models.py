@@ -14,8 +14,10 @@ line, rather than trained with silently wrong log-probs.
 """
 import contextlib
 import copy
+import datetime
 import functools
 import inspect
+import math
 import os
 
 import torch
@@ -25,6 +27,7 @@ from huggingface_hub.utils import logging as hf_hub_logging
 from transformers.utils import logging as hf_logging
 
 from configurator import UserError
+from data import tasks as data_tasks
 
 # progress bars and hub retry warnings would bury the one-line errors and the training log
 hf_logging.disable_progress_bar()
@@ -252,10 +255,17 @@ def has_chat_template(tokenizer):
 
 def prompt_ids(tokenizer, messages, enable_thinking=False):
     """A prompt's token ids, ending where the reply starts: the chat template with its generation
-    prefix, or, for a tokenizer without one (a base model), the messages' contents one per line."""
+    prefix, or, for a tokenizer without one (a base model), the messages' contents one per line.
+    A template that refuses the messages (Gemma's raises "System role not supported") is one line."""
     if has_chat_template(tokenizer):
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
-                                             enable_thinking=enable_thinking)
+        try:
+            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                                 enable_thinking=enable_thinking)
+        except Exception as e:  # jinja2's TemplateError from the template's raise_exception(), ...
+            roles = ", ".join(m.get("role", "?") for m in messages)
+            reason = " ".join(str(e).split()) or type(e).__name__
+            raise ModelError(f"the tokenizer's chat template refused a prompt with roles [{roles}]: {reason} (change the "
+                             "data's turns, e.g. fold the system turn into the user's, or the tokenizer's chat_template)") from None
         return tokenizer.encode(text, add_special_tokens=False)
     return tokenizer.encode("\n".join(m["content"] for m in messages) + "\n", add_special_tokens=True)
 
@@ -263,6 +273,75 @@ def prompt_ids(tokenizer, messages, enable_thinking=False):
 def context_length(model):
     config = model.config.get_text_config()
     return getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+
+
+def prompt_budget(model, max_new_tokens, max_prompt_len=0):
+    """(prompt cap, context): the most prompt tokens the model reads before max_new_tokens of
+    response (max_prompt_len, or the context minus max_new_tokens); nothing left is one line."""
+    context = context_length(model) or math.inf
+    cap = max_prompt_len or context - max_new_tokens
+    if cap <= 0 or cap + max_new_tokens > context:
+        asked = f"max_prompt_len={max_prompt_len} + " if max_prompt_len else ""
+        raise UserError(f"{asked}max_new_tokens={max_new_tokens} exceeds the model's context of {context} tokens: "
+                        "lower them")
+    return cap, context
+
+
+CHARS_PER_TOKEN = 64  # no tokenizer spells one token with more: a longer text is too long without tokenizing it
+
+
+def dropped_characters(tokenizer, texts, ids):
+    """The characters of texts that the token ids do not spell back: what the tokenizer drops (the
+    toy tokenizer knows printable ASCII and newline only) or maps to its unknown token."""
+    wanted = set().union(*map(set, texts)) - set(" \t\n\r")
+    return sorted(wanted - set(tokenizer.decode(ids, skip_special_tokens=False))) if wanted else []
+
+
+def fit_tasks(tasks, name, tokenizer, *, cap, enable_thinking=False, context=None, say=print,
+              fix="raise max_prompt_len (or use a model with a longer context)", required=True):
+    """The tasks whose prompt (through the chat template) is at most `cap` tokens, and with
+    `context` (SFT) whose prompt + solution + EOS fits it; the others are left out and counted.
+    A text far longer in characters is left out without being tokenized (bounded time on any
+    input). Characters the tokenizer would drop silently are refused for a character-level
+    tokenizer (under 256 tokens: the toy's) and a warning for any other."""
+    ids_of = {}
+
+    def prompt_fits(task):
+        if data_tasks.prompt_chars(task) > CHARS_PER_TOKEN * cap:
+            return False
+        ids_of[id(task)] = prompt_ids(tokenizer, task["messages"], enable_thinking)
+        return len(ids_of[id(task)]) <= cap
+
+    def sequence_fits(task):  # SFT trains on prompt + solution + EOS, one sequence
+        if len(task["solution"]) > CHARS_PER_TOKEN * context:
+            return False
+        ids_of[id(task)] = ids_of[id(task)] + tokenizer.encode(task["solution"], add_special_tokens=False)
+        return len(ids_of[id(task)]) + 1 <= context
+    kept = data_tasks.fitting(tasks, name, prompt_fits, say, why=f"longer than {cap} tokens", fix=fix, required=required)
+    if context is not None:
+        kept = data_tasks.fitting(kept, name, sequence_fits, say, what="SFT tasks", required=required,
+                                  why=f"whose prompt + solution is longer than the model's {context}-token context",
+                                  fix="shorten the solutions (or use a model with a longer context)")
+    dropped = []
+    for task in kept:
+        texts = [m["content"] for m in task["messages"]] + ([task["solution"]] if context is not None else [])
+        lost = dropped_characters(tokenizer, texts, ids_of[id(task)])
+        if lost and len(tokenizer) < 256:
+            raise UserError(f"{name}: task {task.get('id', '?')}: the {len(tokenizer)}-token tokenizer cannot encode "
+                            f"{''.join(lost)[:40]!r} and would drop it silently: remove those characters from the data "
+                            "(the toy tokenizer knows printable ASCII and newline) or use a model whose tokenizer has them")
+        if lost:
+            dropped.append((task.get("id", "?"), lost))
+    if dropped:
+        chars = "".join(sorted({c for _, lost in dropped for c in lost}))
+        say(f"warning: {name}: {len(dropped)} tasks hold characters the tokenizer cannot encode ({chars[:40]!r}; task "
+            f"{dropped[0][0]} first): the model never sees them")
+    return kept
+
+
+# a folder holding none of these has no tokenizer (transformers would build a 1-token one silently)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model",
+                   "vocab.txt", "sentencepiece.bpe.model")
 
 
 def load_model(init, dev, dtype=torch.float32, scratch=None):
@@ -273,9 +352,11 @@ def load_model(init, dev, dtype=torch.float32, scratch=None):
         if not scratch:
             raise ModelError("init_from=scratch builds a toy model from train.py's settings: give a checkpoint folder or hub id")
         s = scratch
-        if not os.path.exists(os.path.join(s["tokenizer_path"], "tokenizer_config.json")):
-            raise ModelError(f"{s['tokenizer_path']} has no tokenizer: run `python data/toy/prepare.py` first")
-        tokenizer = AutoTokenizer.from_pretrained(s["tokenizer_path"])
+        tokenizer_path = data_tasks.resolve(s["tokenizer_path"])
+        if not os.path.exists(os.path.join(tokenizer_path, "tokenizer_config.json")):
+            raise ModelError(f"{s['tokenizer_path']} has no tokenizer (looked for {data_tasks.searched(tokenizer_path)}): "
+                             "run `python data/toy/prepare.py` first")
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
         torch.manual_seed(s["seed"])
         model = Qwen2ForCausalLM(Qwen2Config(
             vocab_size=len(tokenizer), hidden_size=s["n_embd"], intermediate_size=4 * s["n_embd"],
@@ -288,11 +369,16 @@ def load_model(init, dev, dtype=torch.float32, scratch=None):
         if not os.path.isdir(init) and init.count("/") != 1:
             raise ModelError(f"model {init} not found: no such folder, and not a hub id like Qwen/Qwen3-8B "
                              "(for the toy base: python train.py config/toy_base.py)")
+        if os.path.isdir(init) and not any(os.path.exists(os.path.join(init, f)) for f in TOKENIZER_FILES):
+            raise ModelError(f"{init} has no tokenizer files ({', '.join(TOKENIZER_FILES[:3])}, ...): copy them from the "
+                             "model it was trained from (tokenizer.save_pretrained) into the folder")
         try:
             tokenizer = AutoTokenizer.from_pretrained(init)
             model = AutoModelForCausalLM.from_pretrained(init, dtype=dtype)
         except Exception as e:  # not on the hub, no network, a damaged file, an unknown architecture, ...
             raise ModelError(f"cannot load model {init!r}: {(str(e).strip().splitlines() or [type(e).__name__])[0]}") from None
+        if len(tokenizer) < 2:  # what transformers builds, without a word, from files that hold no vocabulary
+            raise ModelError(f"{init}'s tokenizer has {len(tokenizer)} token(s): its tokenizer files are missing or empty")
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     model = model.to(dev, dtype)
@@ -341,19 +427,71 @@ def frozen_copy(model):
     return m
 
 
+RENDEZVOUS_TIMEOUT_S = 300  # for the ranks to meet at start-up (env NANOSDPO_RENDEZVOUS_TIMEOUT overrides it)
+COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=30)  # torch's default, for evals and checkpoint writes on one rank
+
+
+def env_int(name, default):
+    """An integer environment variable set by torchrun (default when unset); anything else is one line."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise UserError(f"environment variable {name}={raw!r} is not an integer (torchrun sets it: launch with "
+                        "torchrun, or unset it for one process)") from None
+
+
+def launch_problem(rank, world):
+    """Why RANK / WORLD_SIZE / MASTER_* do not describe a torchrun launch, or None."""
+    if world < 1 or not 0 <= rank < world:
+        return f"RANK={rank} with WORLD_SIZE={world} (unset: 1): a rank must be in [0, WORLD_SIZE)"
+    missing = [v for v in ("MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK") if world > 1 and not os.environ.get(v, "").strip()]
+    if missing:
+        return f"WORLD_SIZE={world} is set but {', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not"
+    if world > 1 and not 0 < env_int("MASTER_PORT", 0) < 65536:
+        return f"MASTER_PORT={os.environ['MASTER_PORT']} is not a port number"
+    return None
+
+
 class Dist:
     """torchrun's process group, or a single process. Ranks hold whole prompt groups; they add
-    token counts (global_sum) and gradients (all_reduce_grads); rank 0 writes."""
+    token counts (global_sum) and gradients (all_reduce_grads); rank 0 writes. The environment
+    is checked first (one line for a launch that is not torchrun's), and ranks that do not all
+    turn up within RENDEZVOUS_TIMEOUT_S are one line, not a 30-minute hang."""
 
     def __init__(self, device_name):
-        self.rank, self.world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+        self.rank, self.world = env_int("RANK", 0), env_int("WORLD_SIZE", 1)
+        problem = launch_problem(self.rank, self.world)
+        if problem:
+            raise UserError(f"{problem}: launch several processes with torchrun --nproc_per_node=N train.py ..., "
+                            "or unset RANK / WORLD_SIZE for one")
         self.device = pick_device(device_name)
         if self.world > 1:
             if self.device.type == "cuda":
-                self.device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+                self.device = torch.device("cuda", env_int("LOCAL_RANK", 0))
                 torch.cuda.set_device(self.device)
-            dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo")
+            wait = env_int("NANOSDPO_RENDEZVOUS_TIMEOUT", RENDEZVOUS_TIMEOUT_S)
+            try:
+                dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo",
+                                        timeout=datetime.timedelta(seconds=wait))
+            except Exception as e:  # DistStoreError (a timeout), a refused connection, a port in use, ...
+                first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+                raise UserError(f"rank {self.rank} of {self.world} could not meet the others at "
+                                f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']} within {wait} s "
+                                f"({type(e).__name__}: {first[:200]}): start every rank, with torchrun") from None
+            if hasattr(dist.distributed_c10d, "_set_pg_timeout"):  # the short timeout was for meeting only
+                dist.distributed_c10d._set_pg_timeout(COLLECTIVE_TIMEOUT)
         self.master = self.rank == 0
+
+    def check_same(self, value, what):
+        """Stop every rank with one line when `value` (a fingerprint) differs between ranks."""
+        values = self.gather(value)
+        if len(set(values)) > 1:
+            differ = [r for r, v in enumerate(values) if v != values[0]]
+            raise UserError(f"{what} differ between ranks (rank 0 and rank{'s' if len(differ) > 1 else ''} "
+                            f"{', '.join(map(str, differ))}): every rank must read the same files")
 
     def global_sum(self, numbers):
         if self.world == 1:

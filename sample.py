@@ -12,7 +12,8 @@ import sys
 
 import models
 import train
-from configurator import configure
+from configurator import check_seed, configure
+from data import tasks as task_files
 
 init_from = "out/grpo_toy/ckpt"  # checkpoint folder or HF model id
 prompt = "347+85"  # a single user prompt
@@ -28,27 +29,18 @@ enable_thinking = False  # passed to the chat template (Qwen3)
 
 
 def read_prompts(prompt, prompt_file, system):
-    """-> list of (messages, task or None)."""
+    """-> list of tasks: {"messages"} for plain prompts, or the task records of a data .jsonl file,
+    each checked as train.py checks its data (kind, messages, answer)."""
     sys_msg = [{"role": "system", "content": system}] if system else []
     if not prompt_file:
-        return [(sys_msg + [{"role": "user", "content": prompt}], None)]
+        return [{"messages": sys_msg + [{"role": "user", "content": prompt}]}]
     if prompt_file.endswith(".jsonl"):
-        out = []
-        with open(prompt_file, encoding="utf-8") as f:
-            for lineno, line in enumerate(f, 1):
-                if line.strip():
-                    try:
-                        task = json.loads(line)
-                        out.append((task["messages"], task))
-                    except (json.JSONDecodeError, KeyError, TypeError):
-                        raise train.UserError(f"{prompt_file}:{lineno}: not a task line with 'messages'") from None
-        return out
-    with open(prompt_file, encoding="utf-8") as f:
-        return [(sys_msg + [{"role": "user", "content": line.rstrip("\n")}], None) for line in f if line.strip()]
+        return task_files.read_jsonl(prompt_file, kinds=train.REWARD_FNS)
+    return [{"messages": sys_msg + [{"role": "user", "content": line}]} for _, line in task_files.read_lines(prompt_file)]
 
 
 def main(cfg):
-    dev = models.pick_device(cfg["device"])
+    check_seed(cfg["seed"])
     if not cfg["prompt_file"] and not cfg["prompt"]:
         raise train.UserError("nothing to sample: give --prompt=... or --prompt_file=...")
     for key in ("num_samples", "max_new_tokens"):
@@ -56,16 +48,19 @@ def main(cfg):
             raise train.UserError(f"{key}={cfg[key]} must be >= 1")
     if cfg["temperature"] < 0 or not 0 < cfg["top_p"] <= 1:
         raise train.UserError("temperature must be >= 0 (0 = greedy) and top_p in (0, 1]")
-    try:
-        prompts = read_prompts(cfg["prompt"], cfg["prompt_file"], cfg["system"])
-    except FileNotFoundError:
-        raise train.UserError(f"prompt_file {cfg['prompt_file']} not found") from None
-    if not prompts:
+    tasks = read_prompts(cfg["prompt"], cfg["prompt_file"], cfg["system"])
+    if not tasks:
         raise train.UserError(f"prompt_file {cfg['prompt_file']} holds no prompts (one per line, or task JSON lines)")
+    dev = models.pick_device(cfg["device"])
     model, tokenizer = models.load_model(cfg["init_from"], dev)
     model.eval()
+    # as train.py: prompts that leave no room for max_new_tokens in the context are left out, and counted
+    tasks = models.fit_tasks(tasks, cfg["prompt_file"] or "prompt", tokenizer,
+                             cap=models.prompt_budget(model, cfg["max_new_tokens"])[0], enable_thinking=cfg["enable_thinking"],
+                             fix="shorten the prompt or lower max_new_tokens (or use a model with a longer context)")
     generator = train.make_generator(cfg["seed"], dev)
-    for messages, task in prompts:
+    for task in tasks:
+        messages = task["messages"]
         ids = train.prompt_ids(tokenizer, messages, cfg["enable_thinking"])
         out = train.generate(model, [ids], group_size=cfg["num_samples"], max_new_tokens=cfg["max_new_tokens"],
                              temperature=cfg["temperature"], top_p=cfg["top_p"],
@@ -73,7 +68,7 @@ def main(cfg):
                              generator=generator)
         print(f"### {messages[-1]['content']}")
         for text in tokenizer.batch_decode(out.response_ids, skip_special_tokens=True):
-            score = f"  [reward {train.reward(task['kind'], text, task['answer'])[0]:.0f}]" if task else ""
+            score = f"  [reward {train.reward(task['kind'], text, task['answer'])[0]:.0f}]" if "kind" in task else ""
             print(f"--> {text}{score}")
 
 

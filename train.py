@@ -82,12 +82,13 @@ from transformers import DynamicCache
 
 import checkpoint
 import metrics
-from configurator import UserError, require
+from configurator import UserError, check_seed, check_template, require
 from metrics import Collapse
 from data import checkers, tasks as task_files
-from models import (Dist, amp_dtype, context_length, enable_grad_checkpointing, forward_with_cache, frozen_copy,
-                    has_chat_template, lm_head, load_model, make_autocast, pad_batch, prompt_ids, response_hidden,
-                    shared_prompt_hidden, static_decoding, stop_token_ids, takes_position_ids, use_static_rollout)
+from models import (Dist, amp_dtype, context_length, enable_grad_checkpointing, fit_tasks, forward_with_cache, frozen_copy,
+                    has_chat_template, lm_head, load_model, make_autocast, pad_batch, prompt_budget, prompt_ids,
+                    response_hidden, shared_prompt_hidden, static_decoding, stop_token_ids, takes_position_ids,
+                    use_static_rollout)
 
 # ----------------------------------------------------------------------------- defaults
 # Every line `name = value  # help` below is a config key: config files and --name=value
@@ -240,6 +241,10 @@ def check_config(cfg):
         raise UserError("teacher_init sets the starting weights of a frozen or EMA teacher: it needs algo=sdpo with "
                         "teacher=frozen or ema (live is the student, trust_region mixes in the initial model)")
     parse_stages(cfg["stages"], cfg["dataset"], cfg["max_iters"])
+    check_seed(cfg["seed"])
+    for key, fields in (("reprompt_template", ("prompt", "solution", "feedback")), ("solution_template", ("solution",)),
+                        ("feedback_template", ("feedback",))):
+        check_template(key, cfg[key], fields)
 
 
 def parse_stages(stages, dataset, max_iters):
@@ -1239,6 +1244,7 @@ def setup(cfg, ddp, stack):
                                     [n for name, _ in stages for n in name.split("+")]))
     train_tasks = {name: load_tasks(name, "train", cfg["data_dir"], need_solution=cfg["algo"] == "sft") for name, _ in stages}
     eval_tasks = {name: load_tasks(name, "test", cfg["data_dir"])[:cfg["eval_max_prompts"] or None] for name in eval_names}
+    ddp.check_same(task_files.fingerprint(train_tasks, eval_tasks), f"the task files under data_dir={cfg['data_dir']}")
     wandb = require("wandb", "wandb_log=True") if cfg["wandb_log"] and ddp.master else None  # optional packages
     if cfg["math_checker"] == "math_verify":
         require("math_verify", "math_checker=math_verify", "math-verify")
@@ -1251,7 +1257,7 @@ def setup(cfg, ddp, stack):
     torch.manual_seed(cfg["seed"])
     if not resume:
         model, tokenizer = load_model(cfg["init_from"], dev, scratch=cfg)
-        fit_prompts(train_tasks, eval_tasks, model, tokenizer, cfg, log)
+        eval_demos = fit_prompts(train_tasks, eval_tasks, model, tokenizer, cfg, log)
     if ddp.master:  # from here on, this run owns out_dir (a fresh run's inputs are all checked by now)
         for note in stack.enter_context(checkpoint.take_over(out_dir, resume, cfg["overwrite"])):
             log.say(note)
@@ -1270,7 +1276,7 @@ def setup(cfg, ddp, stack):
             log.say(f"note: the accuracy matrix keeps this run's eval sets ({', '.join(eval_names)}); {', '.join(added)} "
                     "is not scored (give eval_sets in a new run to measure every set)")
         model, tokenizer = load_model(ckpt_dir, dev, scratch=cfg)
-        fit_prompts(train_tasks, eval_tasks, model, tokenizer, cfg, log)
+        eval_demos = fit_prompts(train_tasks, eval_tasks, model, tokenizer, cfg, log)
     if not has_chat_template(tokenizer):
         log.say(f"note: {cfg['init_from']}'s tokenizer has no chat template: prompts are the messages' text, one per line")
     model.train()
@@ -1303,24 +1309,27 @@ def setup(cfg, ddp, stack):
         log.say(f"resumed from {ckpt_dir} at iteration {state['iter']} (stage {state['stage']}, step {state['stage_iter']})")
     if wandb:
         log.wandb = wandb.init(project=cfg["wandb_project"], name=cfg["wandb_run_name"], config=cfg)
-    return dict(stages=stages, eval_names=eval_names, train_tasks=train_tasks, eval_tasks=eval_tasks, log=log,
-                ckpt_dir=ckpt_dir, state=state, guard=guard, data_files=data_files, model=model, tokenizer=tokenizer,
+    return dict(stages=stages, eval_names=eval_names, train_tasks=train_tasks, eval_tasks=eval_tasks, eval_demos=eval_demos,
+                log=log, ckpt_dir=ckpt_dir, state=state, guard=guard, data_files=data_files, model=model, tokenizer=tokenizer,
                 initial_model=initial_model, teacher_model=teacher_model, optimizer=optimizer, generator=generator,
                 data_rng=data_rng)
 
 
 def fit_prompts(train_tasks, eval_tasks, model, tokenizer, cfg, log):
-    """The prompts that fit: max_prompt_len (default: the model's context minus max_new_tokens),
-    checked against the context; longer prompts are left out and counted."""
-    context = context_length(model) or math.inf
-    cap = cfg["max_prompt_len"] or context - cfg["max_new_tokens"]
-    if cap <= 0 or cap + cfg["max_new_tokens"] > context:
-        raise UserError(f"max_prompt_len={cfg['max_prompt_len']} + max_new_tokens={cfg['max_new_tokens']} exceeds the "
-                        f"model's context of {context} tokens: lower them")
-    length = lambda messages: len(prompt_ids(tokenizer, messages, cfg["enable_thinking"]))  # noqa: E731
-    for sets in (train_tasks, eval_tasks):
-        for name in sets:
-            sets[name] = task_files.fitting(sets[name], name, cap, length, log.say)
+    """The tasks that fit the model's context (models.fit_tasks), the others left out and counted:
+    prompts up to max_prompt_len (default: the context minus max_new_tokens), SFT solutions whole.
+    Returns an SDPO run's eval-time teacher prompts per eval set (each task that has a solution,
+    with it as the demonstration), those that fit as the training teacher's must."""
+    cap, context = prompt_budget(model, cfg["max_new_tokens"], cfg["max_prompt_len"])
+    fit = functools.partial(fit_tasks, tokenizer=tokenizer, enable_thinking=cfg["enable_thinking"], say=log.say)
+    for name in train_tasks:
+        train_tasks[name] = fit(train_tasks[name], name, cap=cap, context=context if cfg["algo"] == "sft" else None)
+    for name in eval_tasks:
+        eval_tasks[name] = fit(eval_tasks[name], name, cap=cap)
+    demos = {name: [dict(t, messages=teacher_messages(t["messages"], t["solution"], None, cfg)) for t in tasks
+                    if t.get("solution")] for name, tasks in eval_tasks.items()} if cfg["algo"] == "sdpo" else {}
+    limit = min(cfg["max_reprompt_len"], context - cfg["max_new_tokens"])
+    return {name: fit(d, f"{name} (eval teacher prompts)", cap=limit, required=False) for name, d in demos.items() if d}
 
 
 def run_eval(run, cfg, ddp, tag):
@@ -1339,7 +1348,7 @@ def run_eval(run, cfg, ddp, tag):
         record.update({f"eval/{name}/{k}": v for k, v in acc.items()}, **{f"eval/{name}/mean_len": lengths[name]})
         if cfg["algo"] != "sdpo" or teacher is None:
             continue
-        demos = [dict(t, messages=teacher_messages(t["messages"], t["solution"], None, cfg)) for t in tasks if t.get("solution")]
+        demos = run["eval_demos"].get(name)
         if demos:
             record[f"eval/{name}/teacher_mean@{n}"] = score_set(run, cfg, ddp, teacher, demos, generators[1])[0][f"mean@{n}"]
     run["log"].record(record)

@@ -69,6 +69,24 @@ def answer_text(answer):
     return "" if answer is None else str(answer)
 
 
+def answer_problem(kind, answer):
+    """Why a reference answer cannot be right for its kind (one phrase), or None: an mcq answer
+    must be a letter, a tool answer the JSON list of {"Action", "Action_Input"} calls check_tool
+    reads. Checked when a task file is read or written: a reference no response can ever match
+    would otherwise score every rollout 0, forever, without a word."""
+    text = answer_text(answer)
+    if not text.strip():
+        return "answer is missing or empty: every task needs a reference answer"
+    if kind == "mcq" and _mcq_letter(text) is None:
+        return f"an mcq answer must be one option letter like 'B', not {_clip_text(text, 40)!r}"
+    if kind == "tool":
+        try:
+            _tool_reference(text)
+        except (ValueError, TypeError, AttributeError, RecursionError) as e:
+            return f"a tool answer must be a JSON list of {{\"Action\": name, \"Action_Input\": JSON object}} calls ({e})"
+    return None
+
+
 def _clip_text(s, n=80):
     s = " ".join(s.split())
     return s if len(s) <= n else s[:n] + "..."
@@ -586,7 +604,10 @@ def _sample_values(trees, names):
 
 
 def _close_num(x, y):
-    return abs(x - y) <= 1e-9 * max(abs(x), abs(y)) + 1e-12
+    """Relative: |x - y| <= 1e-9 max(|x|, |y|), at every magnitude. An absolute floor would make
+    10^{-13} equal 0 while the plain number 0.0000000000001 (compared exactly) does not; so a small
+    value equals only itself within the relative tolerance, and 0 only an exact 0."""
+    return abs(x - y) <= 1e-9 * max(abs(x), abs(y))
 
 
 @functools.lru_cache(maxsize=1 << 14)
@@ -679,16 +700,20 @@ _JSON_DECODER = json.JSONDecoder()
 
 
 def _json_dict(value):
-    if isinstance(value, str):  # the reference stores Action_Input as a JSON string
+    """An Action Input as a dict: a JSON object, or a string holding one (the reference stores
+    Action_Input as a JSON string; '' is no arguments); None when it is anything else."""
+    if isinstance(value, str):
         try:
             value = json.loads(value) if value.strip() else {}
-        except ValueError:
-            return {}
-    return value if isinstance(value, dict) else {}
+        except (ValueError, RecursionError):
+            return None
+    return value if isinstance(value, dict) else None
 
 
 def _parse_tool_calls(text):
-    """([(action name, input dict)], truncated): every Action with its Action Input."""
+    """([(action name, input dict)], truncated): every Action with its Action Input; the input is
+    {} when the call has none (no "Action Input:", or nothing after it) and None when what follows
+    "Action Input:" is not a JSON object (malformed: not the same as no arguments)."""
     text = text[:TOOL_CHARS]
     matches = []
     for m in _ACTION_RE.finditer(text):
@@ -701,11 +726,11 @@ def _parse_tool_calls(text):
         end = matches[k + 1].start() if k + 1 < len(matches) else len(text)
         im = _INPUT_RE.search(text, m.start(), end)
         args = {}
-        if im:
+        if im and text[im.end():end].strip():
             try:
                 args = _json_dict(_JSON_DECODER.raw_decode(text, im.end())[0])
             except (ValueError, RecursionError):
-                seg = text[im.end():end]
+                args, seg = None, text[im.end():end]
                 truncated = k == len(matches) - 1 and seg.count("{") > seg.count("}")
         calls.append((name, args))
     return calls, truncated
@@ -724,12 +749,25 @@ def _same_json(a, b):
 
 @functools.lru_cache(maxsize=4096)
 def _tool_reference(answer):
-    ref = json.loads(answer)
+    """(action names, merged Action_Input as JSON) of a reference; ValueError naming what is wrong
+    (a call without an Action name, an Action_Input that is not a JSON object)."""
+    try:
+        ref = json.loads(answer)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"not JSON: {e.msg}") from None
     ref = [ref] if isinstance(ref, dict) else ref
+    if not isinstance(ref, list) or not ref or not all(isinstance(item, dict) for item in ref):
+        raise ValueError("not a JSON object or a non-empty list of them")
     names, merged = [], {}
-    for item in ref:
-        names.append(str(item.get("Action", "")).strip())
-        merged.update(_json_dict(item.get("Action_Input", item.get("Action Input", {}))))
+    for k, item in enumerate(ref, 1):
+        name = item.get("Action")
+        if not isinstance(name, str) or not name.strip():
+            raise ValueError(f"call {k} has no \"Action\" name")
+        args = _json_dict(item.get("Action_Input", item.get("Action Input", {})))
+        if args is None:
+            raise ValueError(f"call {k}'s Action_Input is not a JSON object")
+        names.append(name.strip())
+        merged.update(args)
     return tuple(names), json.dumps(merged, sort_keys=True)
 
 
@@ -738,15 +776,19 @@ def check_tool(response, answer):
     ref_merged = json.loads(ref_merged)
     calls, truncated = _parse_tool_calls(response)
     names = [n for n, _ in calls]
+    malformed = [n for n, args in calls if args is None]
     merged = {}
     for _, args in calls:
-        merged.update(args)
-    if calls and Counter(names) == Counter(ref_names) and _same_json(merged, ref_merged):
+        merged.update(args or {})
+    if calls and not malformed and Counter(names) == Counter(ref_names) and _same_json(merged, ref_merged):
         return 1.0, None
     if truncated:
         return 0.0, TRUNCATED_FEEDBACK
     if not calls:
         return 0.0, "No tool call found: write 'Action: <tool name>' then 'Action Input: <JSON object>'."
+    if malformed:
+        called = _clip_text(", ".join(malformed), 200)
+        return 0.0, f"The Action Input of {called} is not a JSON object: write 'Action Input: {{\"name\": value, ...}}'."
     if Counter(names) != Counter(ref_names):
         called = _clip_text(", ".join(names), 200)
         return 0.0, f"Action names do not match the tool calls the question needs (you called: {called})."

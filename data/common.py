@@ -19,7 +19,7 @@ import tempfile
 
 from tqdm import tqdm
 
-from data.checkers import answer_text
+from data.checkers import answer_problem, answer_text
 
 DATA_DIR = os.path.dirname(os.path.abspath(__file__))
 
@@ -112,9 +112,18 @@ def read_records(path):
     """[(where, record)] from a JSONL file, or a JSON file holding a list (or {"data": list}).
     `where` is "PATH:LINE" (or "PATH:ITEM") for error messages."""
     if not os.path.isfile(path):
-        die(f"source file not found: {path}")
-    with open(path, encoding="utf-8") as f:
-        text = f.read()
+        die(f"source file {path} is a directory, not a JSON/JSONL file" if os.path.isdir(path)
+            else f"source file not found: {path}")
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except OSError as e:
+        die(f"source file {path} cannot be read: {e.strerror or e}")
+    try:
+        text = raw.decode("utf-8-sig")  # a byte-order mark, as some Windows tools write, is not text
+    except UnicodeDecodeError as e:
+        line = raw[:e.start].count(b"\n") + 1
+        die(f"{path}:{line}: not UTF-8 text (byte {raw[e.start]:#04x}): re-encode the file as UTF-8")
     if not path.endswith(".jsonl") and text.lstrip()[:1] in "[{":
         try:  # a whole-file JSON document; HF's to_json writes JSON lines into .json files, see below
             doc = json.loads(text)
@@ -209,6 +218,9 @@ def check_row(row, where):
           and row["messages"][-1]["role"] == "user")
     if not ok:
         die(f"{where}: converted line does not fit the schema: {json.dumps(row)[:200]}")
+    problem = answer_problem(row["kind"], row["answer"])
+    if problem:
+        die(f"{where}: {problem}")
 
 
 def write_splits(out_dir, splits):

@@ -185,13 +185,13 @@ def test_config_file_may_import_and_define_helpers(tmp_path):
     from configurator import configure
     good = tmp_path / "good.py"
     good.write_text("import math\nfrom os import path\nlearning_rate = 1e-3 * math.sqrt(2)\n"
-                    "def half(x):\n    return x / 2\nclass Helper:\n    pass\ndomains = ['toy/add', 'toy/sub']\n"
-                    "stages = '+'.join(domains) + ':10'\nalpha = half(math.pi) / 10\n")
+                    "def half(x):\n    return x / 2\nclass Helper:\n    pass\n_domains = ['toy/add', 'toy/sub']\n"
+                    "stages = '+'.join(_domains) + ':10'\nalpha = half(math.pi) / 10\n")
     cfg = configure(dict(vars(train)), [str(good)], train.__file__)
     assert cfg["learning_rate"] == pytest.approx(1e-3 * 2 ** 0.5)
     assert cfg["alpha"] == pytest.approx(3.141592653589793 / 20)
     assert cfg["stages"] == "toy/add+toy/sub:10"
-    assert not {"math", "path", "half", "Helper", "domains"} & set(cfg)
+    assert not {"math", "path", "half", "Helper", "_domains"} & set(cfg)
 
 
 def test_config_file_unknown_plain_name_is_still_refused(tmp_path):
@@ -253,3 +253,64 @@ def test_config_file_that_is_a_directory_or_unreadable(tmp_path, monkeypatch):
     assert message == f"error: config file {locked} cannot be read: Permission denied"
     message, path = config_file_error(tmp_path, b"\xff\xfe density = 1\n")  # not text at all
     assert message.startswith(f"error: {path}:1: "), message
+
+
+def test_a_config_file_that_exits_or_is_interrupted_is_one_line_and_a_failure(tmp_path):
+    """sys.exit(0) in a config file once ended the run with rc 0 having run nothing."""
+    message, path = config_file_error(tmp_path, "density = 0.5\nimport sys\nsys.exit(0)\n")
+    assert message.startswith(f"error: {path}:3: the config file exits (sys.exit(0))"), message
+    message, path = config_file_error(tmp_path, "raise KeyboardInterrupt\n")
+    assert message == f"error: {path}:1: KeyboardInterrupt"
+    bad = tmp_path / "exits.py"
+    bad.write_text("import sys\nsys.exit(0)\n")
+    proc = run_train(str(bad), check=False)
+    assert proc.returncode != 0 and proc.stderr.strip().splitlines() == [proc.stderr.strip()], proc.stderr
+
+
+def test_a_typod_key_holding_a_list_is_refused_not_taken_as_a_helper(tmp_path):
+    for text, key, hint in (("eval_set = ['toy/add', 'toy/sub']\n", "eval_set", "did you mean eval_sets?"),
+                            ("stage = ('toy/add:10',)\n", "stage", "did you mean stages?"),
+                            ("datasets = None\n", "datasets", "did you mean dataset?")):
+        message, path = config_file_error(tmp_path, text)
+        assert f"unknown config key '{key}' ({hint}" in message and f"_{key}" in message, message
+
+
+@pytest.mark.parametrize("seed", [2 ** 64, 2 ** 63, -1])
+def test_a_seed_outside_0_to_2_62_is_one_line_in_every_entry_point(seed):
+    import eval as ev
+    import sample
+    with pytest.raises(train.UserError, match=rf"seed={seed} must be an integer in \[0, 2\*\*62\]"):
+        train.check_config(dict(defaults(), seed=seed))
+    with pytest.raises(train.UserError, match=f"seed={seed}"):
+        ev.main({k: getattr(ev, k) for k in ("n", "batch_prompts", "drift_prompts")} | {"seed": seed})
+    with pytest.raises(train.UserError, match=f"seed={seed}"):
+        sample.main({"seed": seed})
+    if seed == 2 ** 64:  # once through the command line
+        proc = run_train(f"--seed={seed}", check=False)
+        assert proc.returncode != 0 and proc.stderr.strip().splitlines() == [proc.stderr.strip()], proc.stderr
+    train.check_config(dict(defaults(), seed=2 ** 62))
+
+
+@pytest.mark.parametrize("key,template,expect", [
+    ("reprompt_template", "{prompt}{solutoin}{feedback}", "unknown field {solutoin}"),
+    ("reprompt_template", "{prompt}{solution}{feedback} {", "Single '{' encountered"),
+    ("solution_template", "Correct: {}", "a positional field {} needs a name"),
+    ("feedback_template", "Feedback: {feedback", "expected '}' before end of string"),
+    ("solution_template", "{solution} }", "Single '}' encountered"),
+])
+def test_every_template_is_tried_at_check_time(key, template, expect):
+    """A bad template once failed mid-run, after the lock, at the first teacher prompt."""
+    with pytest.raises(train.UserError) as e:
+        train.check_config(dict(defaults(), **{key: template}))
+    assert str(e.value).startswith(f"{key}=") and expect in str(e.value) and "{{ and }}" in str(e.value), str(e.value)
+    train.check_config(dict(defaults(), **{key: template.replace("{", "{{").replace("}", "}}")}))  # escaped: fine
+
+
+def test_data_dir_and_tokenizer_path_are_found_from_another_directory(toy_data, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # data/ is not here: the repository's is used
+    assert len(train.load_tasks("toy/add", "test", "data")) == 100
+    model, _ = models.load_model("scratch", torch.device("cpu"), scratch=dict(defaults(), n_layer=1, n_embd=32, n_head=2))
+    assert model.config.vocab_size == 99
+    with pytest.raises(train.UserError) as e:
+        train.load_tasks("toy/none", "test", "data")
+    assert f"looked for {tmp_path / 'data/toy/none/test.jsonl'} or {os.path.join(ROOT, 'data/toy/none/test.jsonl')}" in str(e.value)

@@ -38,6 +38,7 @@ EQUAL = [
     ("\\begin{pmatrix}-1/3\\\\2/3\\\\5/3\\end{pmatrix}", "\\begin{pmatrix} -\\frac13 \\\\ \\frac23 \\\\ \\frac53 \\end{pmatrix}"),
     ("(-1/3,2/3,5/3)", "\\begin{pmatrix} -1/3 \\\\ 2/3 \\\\ 5/3 \\end{pmatrix}"), ("9^{9^9}", "9^{9^{9}}"),
     ("\u03c0/2", "\\frac{\\pi}{2}"), ("\u22122", "-2"), ("52_8", "52_{8}"),
+    ("10^{-13}", "0.0000000000001"), ("2 \\cdot 10^{-13}", "0.0000000000002"), ("0", "0.0"),
 ]
 DIFFERENT = [
     ("431", "432"), ("0.33", "\\frac{1}{3}"), (".0000673", ".0000672"), ("(3,4)", "(3,4]"), ("[3,4]", "(3,4]"),
@@ -45,6 +46,7 @@ DIFFERENT = [
     ("\\text{(B)}", "\\text{(C)}"), ("2k", "2k+2"), ("x^5-x^4", "x^5+x^4"), ("\\sqrt{3}", "\\sqrt{2}"), ("R^2", "3R^2"),
     ("5x-7y+11z+5=0", "5x - 7y + 11z + 4 = 0"), ("1", "10"), ("", "5"), ("52_8", "52_9"), ("2^{2^{2^{100}}}", "5"),
     ("10^{400}", "10^{400}+1 \\cdot 0 + 1"),
+    ("10^{-13}", "0"), ("0.0000000000001", "0"), ("10^{-13}", "1.0000001 \\cdot 10^{-13}"), ("-10^{-30}", "10^{-30}"),
 ]
 
 
@@ -145,6 +147,37 @@ def test_tool_feedback():
     assert reward("tool", "I will not use tools.", one)[1].startswith("No tool call found")
     assert reward("tool", "Action: search\nAction Input: {\"q\": \"ca", one) == (0.0, TRUNCATED)
     assert reward("tool", "Action: getRandom\nAction Input: {}", '[{"Action": "getRandom", "Action_Input": "{}"}]') == (1.0, None)
+
+
+def test_numeric_equality_is_relative_at_every_magnitude():
+    """|x - y| <= 1e-9 max(|x|, |y|): 10^{-13} and the plain 0.0000000000001 both differ from 0 (an
+    absolute floor made the first equal 0 while the exact comparison kept the second apart)."""
+    for small in ("10^{-13}", "0.0000000000001", "\\frac{1}{10^{13}}"):
+        assert not R.math_equal(small, "0") and not R.math_equal("0", small)
+        assert all(R.math_equal(small, other) for other in ("10^{-13}", "0.0000000000001", "\\frac{1}{10^{13}}"))
+    assert R.math_equal("10^{20}", "10^{20}+1")  # within 1e-9 relative: the same float sum
+    assert not R.math_equal("10^{20}", "1.00000001 \\cdot 10^{20}")
+
+
+def test_a_malformed_action_input_in_a_response_is_not_no_arguments():
+    """It once counted as {} and scored 1.0 against a reference call that takes no arguments."""
+    none = '[{"Action": "getRandom", "Action_Input": "{}"}]'
+    for bad in ("{oops}", "[1, 2]", "\"text\"", "q=cats", "{'q': 'cats'}"):
+        score, feedback = reward("tool", f"Action: getRandom\nAction Input: {bad}\nObservation: ok", none)
+        assert score == 0.0 and feedback.startswith("The Action Input of getRandom is not a JSON object"), bad
+    assert reward("tool", "Action: getRandom\nAction Input: {oops", none) == (0.0, TRUNCATED)
+    for fine in ("Action: getRandom\nAction Input: {}", "Action: getRandom", "Action: getRandom\nAction Input:\n"):
+        assert reward("tool", fine, none) == (1.0, None), fine
+    one = json.dumps([{"Action": "search", "Action_Input": "{\"q\": \"cats\"}"}])
+    assert reward("tool", "Action: search\nAction Input: \"{\\\"q\\\": \\\"cats\\\"}\"", one) == (1.0, None)  # a JSON string of an object
+
+
+def test_a_tool_reference_whose_action_input_is_not_json_cannot_score():
+    """Such a reference once became {}: now it is refused at load (answer_problem) and scores 0 here."""
+    bad = '[{"Action": "search", "Action_Input": "{q: cats}"}]'
+    assert "Action_Input is not a JSON object" in R.answer_problem("tool", bad)
+    assert reward("tool", "Action: search\nAction Input: {}", bad)[0] == 0.0
+    assert R.answer_problem("tool", '[{"Action": "search", "Action_Input": {"q": "cats"}}]') is None
 
 
 def test_unknown_kind_and_odd_types():
@@ -312,6 +345,18 @@ def test_prepare_errors_are_one_line_and_atomic(tmp_path):
 
     r = run_prepare("math500", f"--from_file={tmp_path / 'gpqa_ok.jsonl'}", f"--out_dir={tmp_path / 'm'}")
     assert r.returncode == 1 and "gpqa_ok.jsonl:1: missing field 'problem'" in r.stderr and not os.path.exists(tmp_path / "m")
+
+
+def test_prepare_on_non_utf8_input_is_one_line(tmp_path):
+    latin = tmp_path / "gpqa_latin.jsonl"
+    latin.write_bytes(json.dumps(GPQA_RECORDS[0]).encode() + b"\n" + json.dumps(GPQA_RECORDS[1]).replace("lead", "l\\u00e9ad")
+                      .encode().replace(b"\\u00e9", b"\xe9") + b"\n")
+    r = run_prepare("gpqa", f"--from_file={latin}", f"--out_dir={tmp_path / 'out'}")
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert r.stderr.strip().splitlines()[-1] == f"error: {latin}:2: not UTF-8 text (byte 0xe9): re-encode the file as UTF-8"
+    assert not (tmp_path / "out").exists()
+    r = run_prepare("gpqa", f"--from_file={tmp_path}", f"--out_dir={tmp_path / 'out'}")
+    assert r.returncode == 1 and r.stderr.strip().splitlines()[-1] == f"error: source file {tmp_path} is a directory, not a JSON/JSONL file"
 
 
 def test_eval_presets_name_prepared_sets():

@@ -1,0 +1,286 @@
+"""Every input path checks what train.py checks: lengths fitted to the context (SFT solutions, the
+eval teacher's prompts, eval.py's and sample.py's prompts), records checked against their kind, the
+torchrun environment, chat templates that raise and checkpoint folders without a tokenizer."""
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import types
+
+import pytest
+import torch
+
+from conftest import ROOT, TINY, defaults, run_train
+
+import models
+import train
+from configurator import UserError, config_keys
+
+GOOD = {"id": "good", "kind": "math", "messages": [{"role": "user", "content": "1+1"}], "answer": "2",
+        "solution": "\\boxed{2}"}
+CPU = torch.device("cpu")
+
+
+def write_jsonl(path, rows):
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "wb") as f:
+        f.write(b"".join(r if isinstance(r, bytes) else (json.dumps(r) + "\n").encode() for r in rows))
+    return str(path)
+
+
+def one_line_error(proc):
+    assert proc.returncode != 0, proc.stdout[-2000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr[-2000:]
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory, toy_data):
+    """An untrained 128-position toy model saved as an HF folder (model + the toy tokenizer)."""
+    folder = tmp_path_factory.mktemp("tiny") / "model"
+    cfg = dict(defaults(), n_layer=1, n_head=2, n_embd=32, block_size=128,
+               tokenizer_path=os.path.join(toy_data, "toy", "tokenizer"))
+    model, tokenizer = models.load_model("scratch", CPU, scratch=cfg)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def loaded(tiny_model):
+    return models.load_model(str(tiny_model), CPU)
+
+
+def recorder():
+    said = []
+    return said, types.SimpleNamespace(say=said.append)
+
+
+# ----------------------------------------------------------------------------- lengths
+def test_sft_solutions_longer_than_the_context_are_left_out_and_counted(loaded):
+    """A 1 MB solution once asked the allocator for a terabyte: now it is left out without being tokenized."""
+    model, tokenizer = loaded
+    said, log = recorder()
+    sets = {"s": [GOOD, dict(GOOD, id="huge", solution="1" * 1_000_000), dict(GOOD, id="long", solution="1" * 200)]}
+    train.fit_prompts(sets, {}, model, tokenizer, dict(defaults(), algo="sft", max_new_tokens=8), log)
+    assert [t["id"] for t in sets["s"]] == ["good"]
+    assert "s: left out 2 of 3 SFT tasks whose prompt + solution is longer than the model's 128-token context" in said
+    with pytest.raises(UserError, match="all 1 SFT tasks are whose prompt \\+ solution is longer .*shorten the solutions"):
+        train.fit_prompts({"s": [dict(GOOD, solution="1" * 200)]}, {}, model, tokenizer,
+                          dict(defaults(), algo="sft", max_new_tokens=8), log)
+
+
+def test_the_eval_teachers_prompts_are_fitted_like_the_training_teachers(loaded):
+    """An SDPO eval scores the teacher reading each test prompt with its reference solution: a
+    solution that makes that prompt too long for max_reprompt_len / the context is left out, counted."""
+    model, tokenizer = loaded
+    said, log = recorder()
+    evals = {"e": [GOOD, dict(GOOD, id="long", solution="\\boxed{" + "1" * 150 + "}"), dict(GOOD, id="none", solution="")]}
+    demos = train.fit_prompts({"s": [GOOD]}, evals, model, tokenizer, dict(defaults(), algo="sdpo", max_new_tokens=8), log)
+    assert [t["id"] for t in demos["e"]] == ["good"] and len(evals["e"]) == 3  # the student still sees all three
+    assert "Correct solution:\n\n\\boxed{2}" in demos["e"][0]["messages"][-1]["content"]
+    assert "e (eval teacher prompts): left out 1 of 2 prompts longer than 120 tokens" in said
+    demos = train.fit_prompts({"s": [GOOD]}, {"e": evals["e"][1:]}, model, tokenizer,
+                              dict(defaults(), algo="sdpo", max_new_tokens=8), log)
+    assert demos == {"e": []}  # none fits: no teacher score, and no error
+    assert train.fit_prompts({"s": [GOOD]}, evals, model, tokenizer, dict(defaults(), max_new_tokens=8), log) == {}
+
+
+def eval_cfg(**overrides):
+    import eval as ev
+    return dict({k: getattr(ev, k) for k in config_keys(vars(ev), ev.__file__)}, **overrides)
+
+
+def test_eval_py_leaves_out_prompts_that_do_not_fit_the_model(tiny_model, tmp_path, capsys):
+    import eval as ev
+    data = tmp_path / "data"
+    write_jsonl(data / "long" / "test.jsonl", [GOOD, dict(GOOD, id="big", messages=[{"role": "user", "content": "1" * 600}])])
+    cfg = eval_cfg(model=str(tiny_model), base_model="none", eval_sets="long", data_dir=str(data), n=1, k="1",
+                   max_new_tokens=8, drift_prompts=0, stage_drift=False, spectral_k=-1, device="cpu",
+                   out=str(tmp_path / "eval.json"))
+    ev.main(cfg)
+    assert "long: left out 1 of 2 prompts longer than 120 tokens" in capsys.readouterr().out
+    with open(tmp_path / "eval.json") as f:
+        assert json.load(f)["accuracy"]["long"]["n_prompts"] == 1
+    with pytest.raises(UserError, match="max_new_tokens=128 exceeds the model's context of 128 tokens"):
+        ev.main(dict(cfg, max_new_tokens=128, out=str(tmp_path / "other.json")))
+    assert not (tmp_path / "other.json").exists()
+
+
+def sample_main(*args):
+    import sample
+    from configurator import configure
+    return sample.main(configure(dict(vars(sample)), list(args), sample.__file__))
+
+
+def test_sample_py_leaves_out_prompts_that_do_not_fit_the_model(tiny_model, tmp_path, capsys):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("1+1\n" + "1" * 600 + "\n")
+    sample_main(f"--init_from={tiny_model}", f"--prompt_file={prompts}", "--max_new_tokens=4", "--device=cpu")
+    out = capsys.readouterr().out
+    assert f"{prompts}: left out 1 of 2 prompts longer than 124 tokens" in out and out.count("### ") == 1
+    with pytest.raises(UserError, match="prompt: all 1 prompts are longer than 124 tokens: shorten the prompt"):
+        sample_main(f"--init_from={tiny_model}", "--prompt=" + "1" * 600, "--max_new_tokens=4", "--device=cpu")
+
+
+# ----------------------------------------------------------------------------- records
+TOOL_ANSWER = json.dumps([{"Action": "search", "Action_Input": "{\"q\": \"cats\"}"}])
+
+
+@pytest.mark.parametrize("record,expect", [
+    (dict(GOOD, kind="mcq", answer="lead"), "an mcq answer must be one option letter like 'B', not 'lead'"),
+    (dict(GOOD, kind="tool", answer="search(q=cats)"), "a tool answer must be a JSON list of"),
+    (dict(GOOD, kind="tool", answer='[{"Action": "search", "Action_Input": "{q: cats}"}]'),
+     "call 1's Action_Input is not a JSON object"),
+    (dict(GOOD, kind="tool", answer='[{"Action_Input": "{}"}]'), "call 1 has no \"Action\" name"),
+    (dict(GOOD, messages=[{"role": "tool", "content": "x"}, {"role": "user", "content": "1+1"}]),
+     "message role 'tool' is not one of system, user, assistant"),
+    (dict(GOOD, messages=[{"role": "user", "content": "1+1"}, {"role": "assistant", "content": "2"}]),
+     "the last message must be the user's turn"),
+])
+def test_a_record_whose_answer_or_roles_cannot_work_is_refused_at_load(tmp_path, record, expect):
+    write_jsonl(tmp_path / "bad" / "test.jsonl", [GOOD, dict(GOOD, kind="tool", answer=TOOL_ANSWER), record])
+    with pytest.raises(UserError) as e:
+        train.load_tasks("bad", "test", str(tmp_path))
+    assert "test.jsonl:3: " in str(e.value) and expect in str(e.value) and "\n" not in str(e.value)
+
+
+def test_the_prepare_scripts_check_answers_against_their_kind_too(capsys):
+    from data.common import check_row
+    row = {"id": "1", "domain": "x", "kind": "mcq", "answer": "lead", "messages": [{"role": "user", "content": "q"}]}
+    with pytest.raises(SystemExit):
+        check_row(row, "test line 1")
+    assert "test line 1: an mcq answer must be one option letter" in capsys.readouterr().err
+    check_row(dict(row, answer="B"), "test line 1")
+
+
+def test_characters_the_toy_tokenizer_cannot_encode_are_refused(loaded):
+    """The toy tokenizer knows printable ASCII and newline: anything else would vanish from the prompt."""
+    _, tokenizer = loaded
+    accent = dict(GOOD, id="accent", messages=[{"role": "user", "content": "caf\u00e9 1+1"}])
+    with pytest.raises(UserError) as e:
+        models.fit_tasks([GOOD, accent], "s", tokenizer, cap=120)
+    assert "s: task accent:" in str(e.value) and "\u00e9" in str(e.value) and "\n" not in str(e.value)
+    tick = dict(GOOD, id="tick", solution="\\boxed{2} \u2713")  # an SFT solution is checked too
+    assert models.fit_tasks([tick], "s", tokenizer, cap=120) == [tick]
+    with pytest.raises(UserError, match="task tick"):
+        models.fit_tasks([tick], "s", tokenizer, cap=120, context=128)
+
+
+def test_characters_a_large_tokenizer_maps_to_unknown_are_a_warning():
+    from tokenizers import Regex, Tokenizer, models as token_models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    vocab = {"[UNK]": 0, **{chr(32 + i): i + 1 for i in range(300)}}  # 301 tokens, no euro sign
+    core = Tokenizer(token_models.WordLevel(vocab, unk_token="[UNK]"))
+    core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, unk_token="[UNK]", eos_token="[UNK]")
+    said = []
+    euro = dict(GOOD, id="euro", messages=[{"role": "user", "content": "5\u20ac+1"}])
+    assert models.fit_tasks([GOOD, euro], "s", tokenizer, cap=100, say=said.append) == [GOOD, euro]
+    assert said == ["warning: s: 1 tasks hold characters the tokenizer cannot encode ('\u20ac'; task euro first): "
+                    "the model never sees them"]
+
+
+@pytest.mark.parametrize("content,expect", [
+    (b'{"kind": "poetry", "messages": [{"role": "user", "content": "x"}], "answer": "1"}\n',
+     "prompts.jsonl:1: kind='poetry' has no answer checker"),
+    (b'{"kind": "math", "messages": [{"role": "critic", "content": "x"}], "answer": "1"}\n',
+     "prompts.jsonl:1: message role 'critic'"),
+    (b'{"kind": "mcq", "messages": [{"role": "user", "content": "x"}], "answer": "lead"}\n', "an mcq answer must be"),
+    (b"\xff\xfe not text\n", "prompts.jsonl:1: not UTF-8 text"),
+    ("txt", "prompts.txt:2: not UTF-8 text"),
+    ("dir", "is a directory, not a file"),
+])
+def test_sample_py_checks_records_and_files_as_train_py_does(tmp_path, content, expect):
+    if content == "dir":
+        path = tmp_path / "prompts.jsonl"
+        path.mkdir()
+    elif content == "txt":
+        path = tmp_path / "prompts.txt"
+        path.write_bytes(b"1+1\n\xe9t\xe9\n")
+    else:
+        path = tmp_path / "prompts.jsonl"
+        path.write_bytes(content)
+    with pytest.raises(UserError) as e:  # before any model is loaded: no/model is never looked up
+        sample_main("--init_from=no/model", f"--prompt_file={path}")
+    assert expect in str(e.value) and "\n" not in str(e.value)
+
+
+# ----------------------------------------------------------------------------- chat templates, tokenizer files
+def test_a_chat_template_that_raises_is_one_line(loaded):
+    _, tokenizer = loaded
+    gemma_like = tokenizer.__class__.from_pretrained(tokenizer.name_or_path)
+    gemma_like.chat_template = ("{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}"
+                                "{% endif %}{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    system = dict(GOOD, messages=[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "1+1"}])
+    assert models.fit_tasks([GOOD], "s", gemma_like, cap=100) == [GOOD]
+    with pytest.raises(models.ModelError) as e:
+        models.fit_tasks([GOOD, system], "s", gemma_like, cap=100)
+    assert "System role not supported" in str(e.value) and "[system, user]" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_checkpoint_folder_without_its_tokenizer_files_is_refused(tiny_model, tmp_path):
+    """transformers would build a 1-token tokenizer from such a folder without a word."""
+    folder = tmp_path / "no_tokenizer"
+    folder.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(tiny_model / name, folder / name)
+    with pytest.raises(models.ModelError, match="has no tokenizer files"):
+        models.load_model(str(folder), CPU)
+
+
+# ----------------------------------------------------------------------------- the torchrun environment
+@pytest.mark.parametrize("env,expect", [
+    ({"RANK": "1"}, "RANK=1 with WORLD_SIZE=1 (unset: 1): a rank must be in [0, WORLD_SIZE)"),
+    ({"WORLD_SIZE": "two"}, "WORLD_SIZE='two' is not an integer"),
+    ({"WORLD_SIZE": "2", "RANK": "first"}, "RANK='first' is not an integer"),
+    ({"WORLD_SIZE": "2", "RANK": "0"}, "WORLD_SIZE=2 is set but MASTER_ADDR, MASTER_PORT, LOCAL_RANK are not"),
+    ({"WORLD_SIZE": "2", "RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "99999", "LOCAL_RANK": "0"},
+     "MASTER_PORT=99999 is not a port number"),
+    ({"WORLD_SIZE": "0"}, "RANK=0 with WORLD_SIZE=0"),
+])
+def test_a_launch_that_is_not_torchruns_is_one_line(monkeypatch, env, expect):
+    for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(UserError) as e:
+        models.Dist("cpu")
+    assert expect in str(e.value) and "torchrun" in str(e.value)
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_ranks_that_never_turn_up_stop_the_run_in_seconds_not_half_an_hour(toy_data):
+    env = {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+           "NANOSDPO_RENDEZVOUS_TIMEOUT": "2"}
+    line = one_line_error(run_train("config/toy_base.py", *TINY, "--device=cpu", "--out_dir=out/never_written", check=False,
+                                    env=env))
+    assert "rank 0 of 2 could not meet the others" in line and "within 2 s" in line
+    assert not os.path.exists(os.path.join(ROOT, "out", "never_written"))
+    assert "RANK=1 with WORLD_SIZE=1" in one_line_error(run_train("--device=cpu", check=False, env={"RANK": "1"}))
+
+
+def test_ranks_reading_different_data_stop_in_one_line(toy_data, tmp_path):
+    for rank in (0, 1):
+        rows = [dict(GOOD, id=str(i), answer=str(2 + (rank if i == 3 else 0))) for i in range(4)]  # one answer differs
+        write_jsonl(tmp_path / f"data{rank}" / "d" / "train.jsonl", rows)
+        write_jsonl(tmp_path / f"data{rank}" / "d" / "test.jsonl", rows[:2])
+    per_rank = tmp_path / "per_rank.py"
+    per_rank.write_text(f"import os\ndata_dir = {str(tmp_path)!r} + '/data' + os.environ.get('RANK', '0')\n")
+    torchrun_bin = shutil.which("torchrun")
+    cmd = [torchrun_bin] if torchrun_bin else [sys.executable, "-m", "torch.distributed.run"]
+    proc = subprocess.run([*cmd, "--standalone", "--nproc_per_node=2", "train.py", "config/toy_base.py", *TINY,
+                           "--stages=", "--eval_sets=", "--dataset=d", str(per_rank), "--max_iters=1", "--device=cpu",
+                           f"--tokenizer_path={os.path.join(toy_data, 'toy', 'tokenizer')}", f"--out_dir={tmp_path / 'run'}"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode != 0
+    assert "error: the task files under data_dir=" in proc.stderr and "differ between ranks (rank 0 and rank 1)" in proc.stderr
+    assert not (tmp_path / "run").exists()
