@@ -41,6 +41,42 @@ class ModelError(UserError):
     """The model cannot be loaded or trained here: one line, like every UserError."""
 
 
+@contextlib.contextmanager
+def eval_mode(*modules):
+    """Run forwards without grad in eval mode, restoring each submodule's mode after. Rollouts,
+    evals and teacher forwards need it: in train mode transformers 5.17's gradient-checkpointed
+    layers drop the KV cache (past_key_values=None) whatever the grad mode, so a prefill writes
+    nothing, and dropout would sample from another policy than the one trained."""
+    modes = [(m, m.training) for module in modules if module is not None for m in module.modules()]
+    for module in modules:
+        if module is not None:
+            module.eval()
+    try:
+        yield
+    finally:
+        for m, training in modes:
+            m.training = training
+
+
+def disable_dropout(model):
+    """Dropout off everywhere, for good (TRL's disable_dropout): every nn.Dropout p = 0, every float
+    *drop* attribute of a module (attention_dropout, layerdrop, ... read at forward time) and of the
+    config 0. RL needs the training forward's log-probs to be those the rollout sampled with (ρ = 1
+    before any update); the references train RL with dropout off."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+        for name, value in list(vars(module).items()):
+            if "drop" in name.lower() and isinstance(value, float):
+                setattr(module, name, 0.0)
+    configs = {id(c): c for c in (model.config, model.config.get_text_config())}
+    for config in configs.values():
+        for name, value in list(vars(config).items()):
+            if "drop" in name.lower() and isinstance(value, float):
+                setattr(config, name, 0.0)
+    return model
+
+
 def forward_with_cache(model, ids, mask, position, cache, **kwargs):
     """The model's last-position logits [rows, V], reading and extending the KV cache (position None:
     an ALiBi model, whose positions follow the mask). Also the decode step that static_rollout compiles."""
@@ -216,6 +252,11 @@ def shared_prompt_hidden(model, prompts, responses, dev):
 
     Prompts are left-padded into one prefill; the distinct responses (right-padded) continue from
     their prompt's cache row at positions len(prompt), len(prompt)+1, ..."""
+    with eval_mode(model):  # a checkpointed layer in train mode drops the cache (transformers 5.17)
+        return _shared_prompt_hidden(model, prompts, responses, dev)
+
+
+def _shared_prompt_hidden(model, prompts, responses, dev):
     body = decoder_body(model)
     keys = list(zip(map(tuple, prompts), map(tuple, responses)))
     unique = {p: k for k, p in enumerate(dict.fromkeys(p for p, _ in keys))}

@@ -85,9 +85,10 @@ from checkpoint import Collapse, check_health, check_step
 import metrics
 from configurator import UserError, require
 from data import checkers, tasks as task_files
-from models import (Dist, amp_dtype, context_length, enable_grad_checkpointing, forward_with_cache, frozen_copy,
-                    has_chat_template, lm_head, load_model, make_autocast, pad_batch, prompt_ids, response_hidden,
-                    shared_prompt_hidden, static_decoding, stop_token_ids, takes_position_ids, use_static_rollout)
+from models import (Dist, amp_dtype, context_length, disable_dropout, enable_grad_checkpointing, eval_mode,
+                    forward_with_cache, frozen_copy, has_chat_template, lm_head, load_model, make_autocast, pad_batch,
+                    prompt_ids, response_hidden, shared_prompt_hidden, static_decoding, stop_token_ids,
+                    takes_position_ids, use_static_rollout)
 
 # ----------------------------------------------------------------------------- defaults
 # Every line `name = value  # help` below is a config key: config files and --name=value
@@ -341,9 +342,10 @@ def generate(model, prompts, *, group_size, max_rows=0, progress=False, **sampli
     `sampling`: decode()'s keywords (max_new_tokens, temperature, top_p, eos_ids, pad_id, generator, static)."""
     per_call = max(1, max_rows // group_size) if max_rows > 0 else len(prompts)
     starts = range(0, len(prompts), per_call)
-    chunks = [decode(model, prompts[i:i + per_call], group_size=group_size, **sampling)
-              for i in tqdm(starts, desc="rollout", disable=None if progress and len(starts) > 1 else True, leave=False,
-                            file=sys.stdout)]
+    with eval_mode(model):  # no dropout, and transformers 5.17's checkpointed layers keep the KV cache
+        chunks = [decode(model, prompts[i:i + per_call], group_size=group_size, **sampling)
+                  for i in tqdm(starts, desc="rollout", disable=None if progress and len(starts) > 1 else True,
+                                leave=False, file=sys.stdout)]
     if len(chunks) == 1:
         return chunks[0]
     return Batch(*[[x for chunk in chunks for x in getattr(chunk, f)] for f in
@@ -1103,7 +1105,7 @@ def loss_backward(model, batch, cfg, dev, *, teacher_model=None, initial_model=N
         ref_logp, teacher, t0 = None, None, time.time()
         with autocast():
             if cfg["kl_coef"] > 0 and cfg["algo"] != "sft":
-                with torch.no_grad():
+                with torch.no_grad(), eval_mode(initial_model):
                     w0, s0 = lm_head(initial_model)
                     h0 = response_hidden(initial_model, mb.prompt_ids, mb.response_ids, dev)
                     ref_logp = sampled_logprobs(h0 * s0 if s0 != 1 else h0, w0, tokens, cfg["temperature"], chunk, amp)
@@ -1204,8 +1206,6 @@ def evaluate(model, tokenizer, tasks, *, n, temperature, top_p, max_new_tokens, 
              enable_thinking=False, success_threshold=1.0, progress=False, static=False, max_rows=0,
              math_checker="builtin"):
     """Sample n responses per task; return mean@n, pass@n, mean length, and per-task scores/texts."""
-    was_training = model.training
-    model.eval()
     scores, texts, lengths = [], [], []
     eos_ids = stop_token_ids(model, tokenizer)
     # progress bars only on a terminal (disable=None): a log file gets the eval line, not the bar
@@ -1222,7 +1222,6 @@ def evaluate(model, tokenizer, tasks, *, n, temperature, top_p, max_new_tokens, 
             scores.append([reward(task["kind"], decoded[r], task["answer"], math_checker)[0] for r in rows])
             texts.append([decoded[r] for r in rows])
             lengths.extend(len(out.response_ids[r]) for r in rows)
-    model.train(was_training)
     return {**accuracy_summary(scores, threshold=success_threshold), "mean_len": sum(lengths) / len(lengths),
             "scores": scores, "texts": texts}
 
@@ -1263,7 +1262,7 @@ def setup(cfg, ddp, stack):
         fit_prompts(train_tasks, eval_tasks, model, tokenizer, cfg, log)
     if not has_chat_template(tokenizer):
         log.say(f"note: {cfg['init_from']}'s tokenizer has no chat template: prompts are the messages' text, one per line")
-    model.train()
+    disable_dropout(model).train()  # dropout off (the RL references' choice): ρ = 1 before any update
     if cfg["grad_checkpointing"]:
         enable_grad_checkpointing(model)
     # the initial model: KL reference, frozen / trust-region teacher, 'initial' stage reset
