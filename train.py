@@ -78,7 +78,6 @@ from dataclasses import dataclass, fields
 import torch
 import torch.distributed as dist
 from tqdm import tqdm
-from transformers import DynamicCache
 
 import checkpoint
 from checkpoint import Collapse, check_health, check_step
@@ -86,9 +85,9 @@ import metrics
 from configurator import UserError, require
 from data import checkers, tasks as task_files
 from models import (Dist, amp_dtype, context_length, disable_dropout, enable_grad_checkpointing, eval_mode,
-                    forward_with_cache, frozen_copy, has_chat_template, lm_head, load_model, make_autocast, pad_batch,
-                    prompt_ids, response_hidden, shared_prompt_hidden, static_decoding, stop_token_ids,
-                    takes_position_ids, use_static_rollout)
+                    forward_with_cache, frozen_copy, has_chat_template, lm_head, load_model, make_autocast, new_cache,
+                    pad_batch, prompt_ids, response_hidden, shared_prompt_hidden, static_decoding, StepMemory,
+                    stop_token_ids, takes_position_ids, use_static_rollout)
 
 # ----------------------------------------------------------------------------- defaults
 # Every line `name = value  # help` below is a config key: config files and --name=value
@@ -368,7 +367,7 @@ def decode(model, prompts, *, group_size, max_new_tokens, temperature, top_p, eo
     eos = torch.as_tensor(eos_ids, device=dev)
     ids, mask = (t.to(dev) for t in pad_batch(prompts, pad_id, left=True))
     position = (mask.cumsum(-1) - 1).clamp(min=0) if takes_position_ids(model) else None
-    cache = DynamicCache()
+    cache = new_cache(dev)  # keys and values in the autocast dtype
     logits = forward_with_cache(model, ids, mask, position, cache, logits_to_keep=1)
     cache.batch_repeat_interleave(group_size)
     logits = logits.repeat_interleave(group_size, 0)
@@ -1422,6 +1421,7 @@ def train_loop(run, cfg, ddp):
     total_iters = sum(iters for _, iters in run["stages"])
     share = cfg["batch_prompts"] // ddp.world
     autocast = make_autocast(dev, cfg["dtype"])
+    step_memory = StepMemory()  # the train step's measured peak (CUDA)
     batch, my_tasks, stuck = None, None, {}  # stuck: consecutive iterations per warning (metrics.stuck_warnings)
     if state["iter"] == 0:
         state["accuracy_matrix"] = {"eval_sets": run["eval_names"], "stages": [], "rows": [],
@@ -1444,6 +1444,7 @@ def train_loop(run, cfg, ddp):
             batch, rollout_metrics = build_batch(my_tasks, model, run["tokenizer"], cfg, run["generator"], dev,
                                                  autocast=autocast, global_sum=ddp.global_sum, progress=ddp.master)
             t1 = time.time()
+            step_memory.before_step(dev)  # CUDA: the static cache goes unless it fits beside the step
             # student (and teacher) forward and backward, in micro-batches; a diverging loss stops the run
             loss_metrics = loss_backward(model, batch, cfg, dev, teacher_model=run["teacher_model"],
                                          initial_model=run["initial_model"])
@@ -1454,6 +1455,7 @@ def train_loop(run, cfg, ddp):
             grad_norm = optimizer_step(model, optimizer, cfg["grad_clip"])
             if run["teacher_model"] is not None and cfg["teacher"] == "ema":
                 ema_update(run["teacher_model"], model, cfg["teacher_rate"])  # identical on every rank
+            step_memory.after_step(dev)
             t3 = time.time()
             state["iter"] += 1
             state["stage_iter"] += 1
