@@ -191,7 +191,7 @@ CHOICES = {
     "distill": ("topk", "full", "token"),
     "loss_agg": ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
     "teacher_stage_reset": ("keep", "student", "initial"),
-    "dtype": ("auto", "float32", "bfloat16", "float16"),
+    "dtype": ("auto", "float32", "bfloat16"),
     "static_rollout": ("auto", "on", "off"),
     "save_dtype": ("float32", "bfloat16"),
     "math_checker": ("builtin", "math_verify"),
@@ -213,6 +213,9 @@ NON_NEGATIVE = ("gen_batch_size", "warmup_iters", "eval_interval", "eval_max_pro
 
 def check_config(cfg):
     """Validate values that a type check cannot: choices, ranges, formats, combinations."""
+    if cfg["dtype"] == "float16":  # the per-token gradients (~1e-9) would flush to zero without loss scaling
+        raise UserError("dtype=float16 is not supported (no loss scaling: its small gradients flush to zero): "
+                        "use dtype=bfloat16")
     for key, options in CHOICES.items():
         if cfg[key] not in options:
             raise UserError(f"{key}={cfg[key]!r} is not one of {', '.join(options)}")
@@ -733,20 +736,45 @@ def naive_token_loss(hidden, weight, tokens, loss_fn, teacher=None, div_rows=Non
 # fp32 accumulation inside each product); the softmax and divergence maths is fp32 (fp64 for
 # fp64 inputs, for the tests).
 
+@functools.lru_cache(maxsize=None)
+def fp32_out_gemm(device_type):
+    """Whether torch.mm / addmm take bf16 inputs with out_dtype=float32 here (CUDA in recent torch;
+    not the CPU): one GEMM that accumulates and writes fp32, with no bf16 product to copy or add."""
+    try:
+        a = torch.ones(2, 2, dtype=torch.bfloat16, device=device_type)
+        out = torch.mm(a, a, out_dtype=torch.float32)
+        torch.addmm(out, a, a, out_dtype=torch.float32, out=out)
+        return out.dtype == torch.float32 and bool((out == 4).all())
+    except (RuntimeError, NotImplementedError, TypeError):
+        return False
+
+
+def _mm_into(out, a, b, accumulate):
+    """out (+)= a @ b for bf16 a, b and an fp32 out: one fp32-output GEMM where torch has it, else the
+    bf16 product (tensor cores, fp32 accumulation inside) copied or added in."""
+    if fp32_out_gemm(out.device.type):
+        if accumulate:
+            torch.addmm(out, a, b, out_dtype=out.dtype, out=out)
+        else:
+            torch.mm(a, b, out_dtype=out.dtype, out=out)
+    elif accumulate:
+        out.add_(a @ b)
+    else:
+        out.copy_(a @ b)
+
+
 def _logits_into(buf, parts, transposed=False):
     """sum_i h_i @ w_i.T over parts [(h_i [c, H], w_i [V, H])] as fp32 (the buffer's dtype) [c, V],
     written into the flat buffer buf. Same-dtype products write straight into it; bf16 products
-    are taken on tensor cores and copied in. transposed=True (same dtype only) computes w @ h.T
+    go through _mm_into. transposed=True (same dtype only) computes w @ h.T
     instead (MKL is ~1.4x faster at it for few rows) and returns its transpose, a strided view:
     fine for elementwise ops, reductions and gathers, slow for topk."""
     c, V = parts[0][0].shape[0], parts[0][1].shape[0]
     out = buf[: c * V].view(V, c) if transposed else buf[: c * V].view(c, V)
     for i, (h, w) in enumerate(parts):
         a, b = (w, h.T) if transposed else (h, w.T)
-        if a.dtype != out.dtype and i == 0:
-            out.copy_(a @ b)
-        elif a.dtype != out.dtype:
-            out.add_(a @ b)
+        if a.dtype != out.dtype:
+            _mm_into(out, a, b, accumulate=i > 0)
         elif i == 0:
             torch.mm(a, b, out=out)
         else:
@@ -755,10 +783,14 @@ def _logits_into(buf, parts, transposed=False):
 
 
 def _add_product(acc, a, b, rows_per_slice=16384):
-    """acc += a @ b. When a, b are bf16 and acc fp32, the product is taken in bf16 (tensor cores)
+    """acc += a @ b. When a, b are bf16 and acc fp32: one fp32-output GEMM where torch has it
+    (no read-modify-write of acc through a bf16 temporary), else the product in bf16 (tensor cores)
     a slice of acc's rows at a time, so the bf16 temporary stays small."""
     if a.dtype == acc.dtype:
         acc.addmm_(a, b)
+        return
+    if fp32_out_gemm(acc.device.type):
+        _mm_into(acc, a, b, accumulate=True)
         return
     for r in range(0, acc.shape[0], rows_per_slice):
         acc[r:r + rows_per_slice] += a[r:r + rows_per_slice] @ b
@@ -899,8 +931,8 @@ class _FusedTokenLoss(torch.autograd.Function):
         for a in range(0, N, chunk_size):
             b = min(a + chunk_size, N)
             c = b - a
-            h = hidden[a:b].detach().to(mm)
-            h = h / temperature if temperature != 1.0 else h
+            h = hidden[a:b].detach()
+            h = (h / temperature if temperature != 1.0 else h).to(mm)  # the division in the input's precision
             y = tokens[a:b, None]
             d_local = div_mask_cpu[a:b].nonzero().squeeze(1)
             nd = d_local.numel()
@@ -912,7 +944,7 @@ class _FusedTokenLoss(torch.autograd.Function):
             # ---- teacher (distillation rows only)
             t = None
             if nd:
-                t_parts = [(h_t[d_idx + a].to(mm) * s, w_t) for h_t, w_t, s in teacher]
+                t_parts = [((h_t[d_idx + a] * s).to(mm), w_t) for h_t, w_t, s in teacher]  # scaled in fp32
                 tlogp[d_idx], t_max, t_log_norm, t = _teacher_chunk(t_parts, t_buf, y[d_idx], full, t_transposed)
 
             # ---- student: logits / T [c, V] -> p, in place in the buffer
