@@ -19,6 +19,7 @@ import functools
 import inspect
 import math
 import os
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -44,6 +45,42 @@ class ModelError(UserError):
     """The model cannot be loaded or trained here: one line, like every UserError."""
 
 
+@contextlib.contextmanager
+def eval_mode(*modules):
+    """Run forwards without grad in eval mode, restoring each submodule's mode after. Rollouts,
+    evals and teacher forwards need it: in train mode transformers 5.17's gradient-checkpointed
+    layers drop the KV cache (past_key_values=None) whatever the grad mode, so a prefill writes
+    nothing, and dropout would sample from another policy than the one trained."""
+    modes = [(m, m.training) for module in modules if module is not None for m in module.modules()]
+    for module in modules:
+        if module is not None:
+            module.eval()
+    try:
+        yield
+    finally:
+        for m, training in modes:
+            m.training = training
+
+
+def disable_dropout(model):
+    """Dropout off everywhere, for good (TRL's disable_dropout): every nn.Dropout p = 0, every float
+    *drop* attribute of a module (attention_dropout, layerdrop, ... read at forward time) and of the
+    config 0. RL needs the training forward's log-probs to be those the rollout sampled with (ρ = 1
+    before any update); the references train RL with dropout off."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+        for name, value in list(vars(module).items()):
+            if "drop" in name.lower() and isinstance(value, float):
+                setattr(module, name, 0.0)
+    configs = {id(c): c for c in (model.config, model.config.get_text_config())}
+    for config in configs.values():
+        for name, value in list(vars(config).items()):
+            if "drop" in name.lower() and isinstance(value, float):
+                setattr(config, name, 0.0)
+    return model
+
+
 def forward_with_cache(model, ids, mask, position, cache, **kwargs):
     """The model's last-position logits [rows, V], reading and extending the KV cache (position None:
     an ALiBi model, whose positions follow the mask). Also the decode step that static_rollout compiles."""
@@ -60,22 +97,103 @@ def bucket(n, per_octave=4, smallest=64):
     return -(-n // step) * step
 
 
+class _StoresInOneDtype:
+    """A KV cache that stores keys and values in kv_dtype (the autocast dtype; None: as they come).
+    Under autocast RoPE returns fp32 keys (bf16 q/k times fp32 cos/sin) beside bf16 values;
+    attention casts both to bf16 anyway, so storing bf16 changes no number and halves the keys'
+    memory. Without it transformers 5.17 keeps both in fp32 and its StaticCache then cannot take a
+    bf16 value (index_copy_ dtype mismatch: eager, deterministic mode, or dynamo's eager fallback)."""
+    kv_dtype = None
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        if self.kv_dtype is not None:
+            key_states, value_states = key_states.to(self.kv_dtype), value_states.to(self.kv_dtype)
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+
+class KVCache(_StoresInOneDtype, DynamicCache):
+    pass
+
+
+class StaticKVCache(_StoresInOneDtype, StaticCache):
+    pass
+
+
+def autocast_dtype(dev):
+    """The dtype autocast computes in on dev's device type right now, or None outside autocast."""
+    return torch.get_autocast_dtype(dev.type) if torch.is_autocast_enabled(dev.type) else None
+
+
+def new_cache(dev):
+    """An empty dynamic KV cache storing in the current autocast dtype (see _StoresInOneDtype)."""
+    cache = KVCache()
+    cache.kv_dtype = autocast_dtype(dev)
+    return cache
+
+
+# the one static cache alive ({shape key: cache}, at most one entry: a new shape frees the previous
+# buffers first) and the compiled decode step per device kind
 _static_caches, _compiled_steps = {}, {}
 
 
-def static_decoding(model, prefill_cache, mask, max_new_tokens):
-    """Move a prefilled DynamicCache into a StaticCache; return (cache, attention mask, step).
+def free_static_cache():
+    """Drop the static cache (its memory returns to the allocator): before a train step it does not
+    fit beside. The next rollout allocates a new one (on CUDA its graphs re-record, no recompile)."""
+    _static_caches.clear()
 
-    The cache length is bucketed and cache buffers are kept per shape, so a run compiles a
-    handful of shapes once and then reuses them. The mask already covers every future position
-    (the causal mask hides the unwritten ones): one shape for every decode step."""
+
+def static_cache_bytes():
+    return sum(t.numel() * t.element_size() for c in _static_caches.values() for layer in c.layers
+               for t in (getattr(layer, "keys", None), getattr(layer, "values", None)) if t is not None)
+
+
+def static_cache_fits(*, allocated, step_extra, total, fill=0.9):
+    """Whether the static cache (part of `allocated`, the bytes in use now) may stay alive through a
+    train step that last time allocated step_extra bytes above its start: the sum must fit in `fill`
+    of the GPU (allocator slack). Unknown step_extra (the first step): it does not."""
+    return step_extra is not None and allocated + step_extra <= fill * total
+
+
+@dataclass
+class StepMemory:
+    """On CUDA, around each train step: free the static cache first unless it fits beside the step
+    (static_cache_fits, from the previous step's measured peak), then measure this step's peak."""
+    step_extra: int = None  # bytes the last train step allocated above what was in use at its start
+    start: int = 0
+
+    def before_step(self, dev):
+        if dev.type != "cuda":
+            return
+        if _static_caches and not static_cache_fits(allocated=torch.cuda.memory_allocated(dev), step_extra=self.step_extra,
+                                                    total=torch.cuda.get_device_properties(dev).total_memory):
+            free_static_cache()
+        torch.cuda.reset_peak_memory_stats(dev)
+        self.start = torch.cuda.memory_allocated(dev)
+
+    def after_step(self, dev):
+        if dev.type == "cuda":
+            self.step_extra = torch.cuda.max_memory_allocated(dev) - self.start
+
+
+def static_decoding(model, prefill_cache, mask, max_new_tokens):
+    """Move a prefilled KV cache into a StaticCache; return (cache, attention mask, step).
+
+    The cache length is bucketed, and the live cache is reused while the rows match and it is long
+    enough (lengths only grow), so a run allocates and compiles a handful of shapes, and at most one
+    cache is alive at a time. The mask covers the whole cache (the causal mask hides the unwritten
+    positions, and the ones past a short batch's end are never reached): one shape for every step."""
     rows, width = mask.shape
-    length = bucket(width + max_new_tokens)
-    k, v = prefill_cache.layers[0].keys, prefill_cache.layers[0].values
-    key = (rows, length, len(prefill_cache.layers), k.shape[1], k.shape[3], k.dtype, v.dtype, k.device)
-    if key not in _static_caches:
-        _static_caches[key] = StaticCache(config=model.config, max_cache_len=length)
-    cache = _static_caches[key]
+    k = prefill_cache.layers[0].keys
+    key = (rows, len(prefill_cache.layers), k.shape[1], k.shape[3], k.dtype, k.device)
+    old = next(iter(_static_caches.items()), None)
+    if old is not None and old[0][0] == key and old[0][1] >= width + max_new_tokens:
+        (_, length), cache = old
+    else:
+        free_static_cache()  # before allocating the new one: never two alive
+        length = bucket(width + max_new_tokens)
+        cache = StaticKVCache(config=model.config, max_cache_len=length)
+        cache.kv_dtype = prefill_cache.kv_dtype
+        _static_caches[(key, length)] = cache
     cache.reset()
     for static_layer, layer in zip(cache.layers, prefill_cache.layers):
         static_layer.update(layer.keys, layer.values)  # writes positions 0..width-1
@@ -219,12 +337,17 @@ def shared_prompt_hidden(model, prompts, responses, dev):
 
     Prompts are left-padded into one prefill; the distinct responses (right-padded) continue from
     their prompt's cache row at positions len(prompt), len(prompt)+1, ..."""
+    with eval_mode(model):  # a checkpointed layer in train mode drops the cache (transformers 5.17)
+        return _shared_prompt_hidden(model, prompts, responses, dev)
+
+
+def _shared_prompt_hidden(model, prompts, responses, dev):
     body = decoder_body(model)
     keys = list(zip(map(tuple, prompts), map(tuple, responses)))
     unique = {p: k for k, p in enumerate(dict.fromkeys(p for p, _ in keys))}
     pairs = {pr: k for k, pr in enumerate(dict.fromkeys(keys))}
     ids, mask = (t.to(dev) for t in pad_batch(list(unique), 0, left=True))
-    cache = DynamicCache()
+    cache = new_cache(dev)
     last = body_forward(body, ids, mask, (mask.cumsum(-1) - 1).clamp(min=0), cache)[:, -1:]
     which = torch.tensor([unique[p] for p, _ in pairs], device=dev)
     hidden = last[which]  # [pairs, 1, H]: predicts each pair's first response token

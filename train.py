@@ -78,17 +78,16 @@ from dataclasses import asdict, dataclass, fields
 import torch
 import torch.distributed as dist
 from tqdm import tqdm
-from transformers import DynamicCache
 
 import checkpoint
 import metrics
 from configurator import UserError, check_seed, check_template, require
 from metrics import Collapse
 from data import checkers, tasks as task_files
-from models import (Dist, amp_dtype, context_length, enable_grad_checkpointing, fit_tasks, forward_with_cache, frozen_copy,
-                    has_chat_template, lm_head, load_model, make_autocast, pad_batch, prompt_budget, prompt_ids,
-                    response_hidden, shared_prompt_hidden, static_decoding, stop_token_ids, takes_position_ids,
-                    use_static_rollout)
+from models import (Dist, amp_dtype, context_length, disable_dropout, enable_grad_checkpointing, eval_mode, fit_tasks,
+                    forward_with_cache, frozen_copy, has_chat_template, lm_head, load_model, make_autocast, new_cache,
+                    pad_batch, prompt_budget, prompt_ids, response_hidden, shared_prompt_hidden, static_decoding,
+                    StepMemory, stop_token_ids, takes_position_ids, use_static_rollout)
 
 # ----------------------------------------------------------------------------- defaults
 # Every line `name = value  # help` below is a config key: config files and --name=value
@@ -192,7 +191,7 @@ CHOICES = {
     "distill": ("topk", "full", "token"),
     "loss_agg": ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
     "teacher_stage_reset": ("keep", "student", "initial"),
-    "dtype": ("auto", "float32", "bfloat16", "float16"),
+    "dtype": ("auto", "float32", "bfloat16"),
     "static_rollout": ("auto", "on", "off"),
     "save_dtype": ("float32", "bfloat16"),
     "math_checker": ("builtin", "math_verify"),
@@ -214,6 +213,9 @@ NON_NEGATIVE = ("gen_batch_size", "warmup_iters", "eval_interval", "eval_max_pro
 
 def check_config(cfg):
     """Validate values that a type check cannot: choices, ranges, formats, combinations."""
+    if cfg["dtype"] == "float16":  # the per-token gradients (~1e-9) would flush to zero without loss scaling
+        raise UserError("dtype=float16 is not supported (no loss scaling: its small gradients flush to zero): "
+                        "use dtype=bfloat16")
     for key, options in CHOICES.items():
         if cfg[key] not in options:
             raise UserError(f"{key}={cfg[key]!r} is not one of {', '.join(options)}")
@@ -346,9 +348,10 @@ def generate(model, prompts, *, group_size, max_rows=0, progress=False, **sampli
     `sampling`: decode()'s keywords (max_new_tokens, temperature, top_p, eos_ids, pad_id, generator, static)."""
     per_call = max(1, max_rows // group_size) if max_rows > 0 else len(prompts)
     starts = range(0, len(prompts), per_call)
-    chunks = [decode(model, prompts[i:i + per_call], group_size=group_size, **sampling)
-              for i in tqdm(starts, desc="rollout", disable=None if progress and len(starts) > 1 else True, leave=False,
-                            file=sys.stdout)]
+    with eval_mode(model):  # no dropout, and transformers 5.17's checkpointed layers keep the KV cache
+        chunks = [decode(model, prompts[i:i + per_call], group_size=group_size, **sampling)
+                  for i in tqdm(starts, desc="rollout", disable=None if progress and len(starts) > 1 else True,
+                                leave=False, file=sys.stdout)]
     if len(chunks) == 1:
         return chunks[0]
     return Batch(*[[x for chunk in chunks for x in getattr(chunk, f)] for f in
@@ -371,7 +374,7 @@ def decode(model, prompts, *, group_size, max_new_tokens, temperature, top_p, eo
     eos = torch.as_tensor(eos_ids, device=dev)
     ids, mask = (t.to(dev) for t in pad_batch(prompts, pad_id, left=True))
     position = (mask.cumsum(-1) - 1).clamp(min=0) if takes_position_ids(model) else None
-    cache = DynamicCache()
+    cache = new_cache(dev)  # keys and values in the autocast dtype
     logits = forward_with_cache(model, ids, mask, position, cache, logits_to_keep=1)
     cache.batch_repeat_interleave(group_size)
     logits = logits.repeat_interleave(group_size, 0)
@@ -737,20 +740,45 @@ def naive_token_loss(hidden, weight, tokens, loss_fn, teacher=None, div_rows=Non
 # fp32 accumulation inside each product); the softmax and divergence maths is fp32 (fp64 for
 # fp64 inputs, for the tests).
 
+@functools.lru_cache(maxsize=None)
+def fp32_out_gemm(device_type):
+    """Whether torch.mm / addmm take bf16 inputs with out_dtype=float32 here (CUDA in recent torch;
+    not the CPU): one GEMM that accumulates and writes fp32, with no bf16 product to copy or add."""
+    try:
+        a = torch.ones(2, 2, dtype=torch.bfloat16, device=device_type)
+        out = torch.mm(a, a, out_dtype=torch.float32)
+        torch.addmm(out, a, a, out_dtype=torch.float32, out=out)
+        return out.dtype == torch.float32 and bool((out == 4).all())
+    except (RuntimeError, NotImplementedError, TypeError):
+        return False
+
+
+def _mm_into(out, a, b, accumulate):
+    """out (+)= a @ b for bf16 a, b and an fp32 out: one fp32-output GEMM where torch has it, else the
+    bf16 product (tensor cores, fp32 accumulation inside) copied or added in."""
+    if fp32_out_gemm(out.device.type):
+        if accumulate:
+            torch.addmm(out, a, b, out_dtype=out.dtype, out=out)
+        else:
+            torch.mm(a, b, out_dtype=out.dtype, out=out)
+    elif accumulate:
+        out.add_(a @ b)
+    else:
+        out.copy_(a @ b)
+
+
 def _logits_into(buf, parts, transposed=False):
     """sum_i h_i @ w_i.T over parts [(h_i [c, H], w_i [V, H])] as fp32 (the buffer's dtype) [c, V],
     written into the flat buffer buf. Same-dtype products write straight into it; bf16 products
-    are taken on tensor cores and copied in. transposed=True (same dtype only) computes w @ h.T
+    go through _mm_into. transposed=True (same dtype only) computes w @ h.T
     instead (MKL is ~1.4x faster at it for few rows) and returns its transpose, a strided view:
     fine for elementwise ops, reductions and gathers, slow for topk."""
     c, V = parts[0][0].shape[0], parts[0][1].shape[0]
     out = buf[: c * V].view(V, c) if transposed else buf[: c * V].view(c, V)
     for i, (h, w) in enumerate(parts):
         a, b = (w, h.T) if transposed else (h, w.T)
-        if a.dtype != out.dtype and i == 0:
-            out.copy_(a @ b)
-        elif a.dtype != out.dtype:
-            out.add_(a @ b)
+        if a.dtype != out.dtype:
+            _mm_into(out, a, b, accumulate=i > 0)
         elif i == 0:
             torch.mm(a, b, out=out)
         else:
@@ -759,10 +787,14 @@ def _logits_into(buf, parts, transposed=False):
 
 
 def _add_product(acc, a, b, rows_per_slice=16384):
-    """acc += a @ b. When a, b are bf16 and acc fp32, the product is taken in bf16 (tensor cores)
+    """acc += a @ b. When a, b are bf16 and acc fp32: one fp32-output GEMM where torch has it
+    (no read-modify-write of acc through a bf16 temporary), else the product in bf16 (tensor cores)
     a slice of acc's rows at a time, so the bf16 temporary stays small."""
     if a.dtype == acc.dtype:
         acc.addmm_(a, b)
+        return
+    if fp32_out_gemm(acc.device.type):
+        _mm_into(acc, a, b, accumulate=True)
         return
     for r in range(0, acc.shape[0], rows_per_slice):
         acc[r:r + rows_per_slice] += a[r:r + rows_per_slice] @ b
@@ -903,8 +935,8 @@ class _FusedTokenLoss(torch.autograd.Function):
         for a in range(0, N, chunk_size):
             b = min(a + chunk_size, N)
             c = b - a
-            h = hidden[a:b].detach().to(mm)
-            h = h / temperature if temperature != 1.0 else h
+            h = hidden[a:b].detach()
+            h = (h / temperature if temperature != 1.0 else h).to(mm)  # the division in the input's precision
             y = tokens[a:b, None]
             d_local = div_mask_cpu[a:b].nonzero().squeeze(1)
             nd = d_local.numel()
@@ -916,7 +948,7 @@ class _FusedTokenLoss(torch.autograd.Function):
             # ---- teacher (distillation rows only)
             t = None
             if nd:
-                t_parts = [(h_t[d_idx + a].to(mm) * s, w_t) for h_t, w_t, s in teacher]
+                t_parts = [((h_t[d_idx + a] * s).to(mm), w_t) for h_t, w_t, s in teacher]  # scaled in fp32
                 tlogp[d_idx], t_max, t_log_norm, t = _teacher_chunk(t_parts, t_buf, y[d_idx], full, t_transposed)
 
             # ---- student: logits / T [c, V] -> p, in place in the buffer
@@ -1108,7 +1140,7 @@ def loss_backward(model, batch, cfg, dev, *, teacher_model=None, initial_model=N
         ref_logp, teacher, t0 = None, None, time.time()
         with autocast():
             if cfg["kl_coef"] > 0 and cfg["algo"] != "sft":
-                with torch.no_grad():
+                with torch.no_grad(), eval_mode(initial_model):
                     w0, s0 = lm_head(initial_model)
                     h0 = response_hidden(initial_model, mb.prompt_ids, mb.response_ids, dev)
                     ref_logp = sampled_logprobs(h0 * s0 if s0 != 1 else h0, w0, tokens, cfg["temperature"], chunk, amp)
@@ -1209,8 +1241,6 @@ def evaluate(model, tokenizer, tasks, *, n, temperature, top_p, max_new_tokens, 
              enable_thinking=False, success_threshold=1.0, progress=False, static=False, max_rows=0,
              math_checker="builtin"):
     """Sample n responses per task; return mean@n, pass@n, mean length, and per-task scores/texts."""
-    was_training = model.training
-    model.eval()
     scores, texts, lengths = [], [], []
     eos_ids = stop_token_ids(model, tokenizer)
     # progress bars only on a terminal (disable=None): a log file gets the eval line, not the bar
@@ -1227,7 +1257,6 @@ def evaluate(model, tokenizer, tasks, *, n, temperature, top_p, max_new_tokens, 
             scores.append([reward(task["kind"], decoded[r], task["answer"], math_checker)[0] for r in rows])
             texts.append([decoded[r] for r in rows])
             lengths.extend(len(out.response_ids[r]) for r in rows)
-    model.train(was_training)
     return {**accuracy_summary(scores, threshold=success_threshold), "mean_len": sum(lengths) / len(lengths),
             "scores": scores, "texts": texts}
 
@@ -1279,7 +1308,7 @@ def setup(cfg, ddp, stack):
         eval_demos = fit_prompts(train_tasks, eval_tasks, model, tokenizer, cfg, log)
     if not has_chat_template(tokenizer):
         log.say(f"note: {cfg['init_from']}'s tokenizer has no chat template: prompts are the messages' text, one per line")
-    model.train()
+    disable_dropout(model).train()  # dropout off (the RL references' choice): ρ = 1 before any update
     if cfg["grad_checkpointing"]:
         enable_grad_checkpointing(model)
     # the initial model: KL reference, frozen / trust-region teacher, 'initial' stage reset
@@ -1447,6 +1476,7 @@ def train_loop(run, cfg, ddp):
     total_iters = sum(iters for _, iters in run["stages"])
     share = cfg["batch_prompts"] // ddp.world
     autocast = make_autocast(dev, cfg["dtype"])
+    step_memory = StepMemory()  # the train step's measured peak (CUDA)
     batch, my_tasks, stuck = None, None, {}  # stuck: consecutive iterations per warning (metrics.stuck_warnings)
     log_vocab = math.log(model.get_output_embeddings().weight.shape[0])  # the runaway-loss guard's scale
     if state["iter"] == 0:  # the initial model: the guard's first bests, and ckpt_good until an eval passes
@@ -1471,6 +1501,7 @@ def train_loop(run, cfg, ddp):
             batch, rollout_metrics = build_batch(my_tasks, model, run["tokenizer"], cfg, run["generator"], dev,
                                                  autocast=autocast, global_sum=ddp.global_sum, progress=ddp.master)
             t1 = time.time()
+            step_memory.before_step(dev)  # CUDA: the static cache goes unless it fits beside the step
             # student (and teacher) forward and backward, in micro-batches; a diverging loss stops the run
             loss_metrics = loss_backward(model, batch, cfg, dev, teacher_model=run["teacher_model"],
                                          initial_model=run["initial_model"])
@@ -1481,6 +1512,7 @@ def train_loop(run, cfg, ddp):
             grad_norm = optimizer_step(model, optimizer, cfg["grad_clip"])
             if run["teacher_model"] is not None and cfg["teacher"] == "ema":
                 ema_update(run["teacher_model"], model, cfg["teacher_rate"])  # identical on every rank
+            step_memory.after_step(dev)
             t3 = time.time()
             state["iter"] += 1
             state["stage_iter"] += 1

@@ -353,3 +353,66 @@ def test_fused_with_one_input_frozen(frozen):
         assert (h.grad is None) == (frozen == "hidden") and (W.grad is None) == (frozen == "weight")
         grads.append(W.grad if frozen == "hidden" else h.grad)
     assert_rel(grads[1], grads[0], 1e-9, "grad")
+
+
+def test_fp32_output_gemms_take_the_exact_products_of_the_bf16_inputs(monkeypatch):
+    """Where torch multiplies bf16 inputs into an fp32 output (torch.mm / addmm out_dtype, CUDA), the
+    fused loss uses it: no bf16 rounding of the logits or of the weight gradient's running sum. The
+    CPU has no such kernel, so it is emulated here (an fp32 product of the bf16 values, which is what
+    the GPU kernel computes); the student log-probs then equal the fp32 reference on bf16-rounded
+    inputs, which the bf16-product fallback does not."""
+    import train
+    real_mm, real_addmm, calls = torch.mm, torch.addmm, []
+
+    def mm(a, b, *args, out_dtype=None, **kw):
+        if out_dtype is None:
+            return real_mm(a, b, *args, **kw)
+        calls.append("mm")
+        return real_mm(a.to(out_dtype), b.to(out_dtype), **kw)
+
+    def addmm(c, a, b, *args, out_dtype=None, **kw):
+        if out_dtype is None:
+            return real_addmm(c, a, b, *args, **kw)
+        calls.append("addmm")
+        return real_addmm(c, a.to(out_dtype), b.to(out_dtype), **kw)
+
+    C = make_case(V=300, dtype=torch.float32)
+    kw = dict(alpha=0.5, distill="topk", topk=7, tail=True, temperature=1.0)
+    rounded = dict(C, h=C["h"].bfloat16().float(), W=C["W"].bfloat16().float())
+    _, ghn, gwn, sn = run(naive_token_loss, rounded, grpo_distill_loss_fn(rounded, "topk"), **kw)
+    assert not train.fp32_out_gemm("cpu")  # today's CPU torch: the fallback is what CPU runs use
+    _, _, _, s_fallback = run(fused_token_loss, C, grpo_distill_loss_fn(C, "topk"), chunk_size=8,
+                              matmul_dtype=torch.bfloat16, **kw)
+    monkeypatch.setattr(train, "fp32_out_gemm", lambda device_type: True)
+    monkeypatch.setattr(torch, "mm", mm)
+    monkeypatch.setattr(torch, "addmm", addmm)
+    _, gh, gw, s = run(fused_token_loss, C, grpo_distill_loss_fn(C, "topk"), chunk_size=8,
+                       matmul_dtype=torch.bfloat16, **kw)
+    assert {"mm", "addmm"} <= set(calls)
+    assert_rel(s["logp"], sn["logp"], 1e-5, "logp, fp32-output GEMMs")
+    assert (s_fallback["logp"] - sn["logp"]).abs().max() > 10 * (s["logp"] - sn["logp"]).abs().max()
+    assert (gh - ghn).norm() <= 2e-2 * ghn.norm() and (gw - gwn).norm() <= 2e-2 * gwn.norm()
+
+
+def test_the_temperature_divides_the_hidden_states_before_their_bf16_cast():
+    """Dividing after the cast rounds twice (bf16(h) / T is rounded again): at T = 0.6 the fused
+    loss's logits are those of bf16(h / T)."""
+    C = make_case(V=300, dtype=torch.float32)
+    kw = dict(alpha=0.5, distill="topk", topk=7, tail=True)
+    T = 0.6
+    pre = dict(C, h=(C["h"] / T).bfloat16().float(), W=C["W"].bfloat16().float())
+    _, _, _, want = run(fused_token_loss, pre, grpo_distill_loss_fn(pre, "topk"), chunk_size=8, temperature=1.0,
+                        matmul_dtype=torch.bfloat16, **kw)
+    _, _, _, got = run(fused_token_loss, C, grpo_distill_loss_fn(C, "topk"), chunk_size=8, temperature=T,
+                       matmul_dtype=torch.bfloat16, **kw)
+    # the same bf16 operands in the same bf16 products: the same numbers
+    torch.testing.assert_close(got["logp"], want["logp"], atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(got["entropy"], want["entropy"], atol=1e-6, rtol=1e-6)
+
+
+def test_dtype_float16_is_refused_in_one_line(tmp_path):
+    """fp16 without loss scaling flushes the per-token gradients (~1e-9) to zero in the fused loss."""
+    from conftest import run_train
+    proc = run_train("config/grpo_toy.py", "--dtype=float16", f"--out_dir={tmp_path / 'out'}", check=False)
+    assert proc.returncode != 0 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert "dtype=float16" in proc.stderr and "bfloat16" in proc.stderr and not (tmp_path / "out").exists()

@@ -8,7 +8,7 @@ import pytest
 import torch
 import transformers
 
-from conftest import TINY, run_train
+from conftest import TINY, read_log, run_train
 
 import models
 import train
@@ -128,3 +128,24 @@ def test_a_toy_run_from_a_model_without_a_chat_template_says_so(toy_data, tmp_pa
     proc = run_train("config/grpo_toy.py", *TINY, f"--init_from={tmp_path / 'base'}", f"--out_dir={tmp_path / 'out'}",
                      "--max_iters=1", "--device=cpu")
     assert "has no chat template" in proc.stdout
+
+
+def test_a_gpt2_with_dropout_samples_and_trains_one_policy(toy_data, tmp_path):
+    """GPT-2's configs ship dropout 0.1: with it on in the rollout or the training forward, the first
+    iteration's ratio is not 1 before any update (ρmax ~1.2, kl_sampler ~5e-3). train.py turns
+    dropout off at load (the RL references' choice), so sampler and trainer are one policy."""
+    from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
+    tok = AutoTokenizer.from_pretrained(os.path.join(toy_data, "toy", "tokenizer"))
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=len(tok), n_embd=H, n_layer=2, n_head=2, n_positions=128, eos_token_id=tok.eos_token_id,
+                        bos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    assert config.resid_pdrop == config.attn_pdrop == config.embd_pdrop == 0.1
+    GPT2LMHeadModel(config).save_pretrained(tmp_path / "gpt2")
+    tok.save_pretrained(tmp_path / "gpt2")
+    run_train("config/grpo_toy.py", *TINY, f"--init_from={tmp_path / 'gpt2'}", f"--out_dir={tmp_path / 'out'}",
+              "--max_iters=1", "--device=cpu", "--temperature=1.0", "--group_size=8", "--max_new_tokens=16",
+              "--kl_coef=0.001")  # a random model never succeeds: the KL term keeps every response in the loss
+    record = next(r for r in read_log(tmp_path / "out") if r.get("iter") == 1 and "ratio_mean" in r)
+    assert record["tokens"] > 50
+    assert abs(record["ratio_mean"] - 1) < 1e-5 and record["ratio_max"] < 1 + 1e-4, record
+    assert record["kl_sampler"] < 1e-8, record

@@ -1,4 +1,5 @@
 """Rollout, advantages and the SDPO teacher context: the pieces between generation and the loss."""
+import pytest
 import torch
 
 from conftest import defaults
@@ -13,6 +14,13 @@ def tiny_model(vocab=20, seed=0):
     cfg = Qwen2Config(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                       num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True)
     return Qwen2ForCausalLM(cfg).eval()
+
+
+def eager_compile(monkeypatch):
+    """torch.compile through the eager backend (dynamo traces the step, no minutes of CPU codegen)."""
+    real_compile = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, mode=None: real_compile(fn, backend="eager"))
+    monkeypatch.setattr(models, "_compiled_steps", {})
 
 
 def test_response_mask_keeps_first_eos_once_and_nothing_after():
@@ -74,9 +82,7 @@ def test_static_cache_decoding_equals_the_dynamic_cache(monkeypatch):
     """static=True (StaticCache + compiled step, the CUDA fast path) samples the same tokens with the
     same log-probs as the dynamic-cache loop; run here through torch.compile's eager backend, which
     traces the step with dynamo like the real compile but skips code generation (minutes on CPU)."""
-    real_compile = torch.compile
-    monkeypatch.setattr(torch, "compile", lambda fn, mode=None: real_compile(fn, backend="eager"))
-    monkeypatch.setattr(models, "_compiled_steps", {})
+    eager_compile(monkeypatch)
     model = tiny_model()
     prompts = [[1, 4, 5, 6, 7], [8, 9], [10]]
     runs = [train.generate(model, prompts, group_size=3, max_new_tokens=10, temperature=1.5, top_p=0.9, eos_ids=[19],
@@ -88,6 +94,116 @@ def test_static_cache_decoding_equals_the_dynamic_cache(monkeypatch):
         for a, b in zip(out.old_logprobs, runs[0].old_logprobs):
             torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
     assert len({len(r) for r in runs[0].response_ids}) > 1, "rows of different lengths (EOS inside the decode)"
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_a_rollout_with_grad_checkpointing_samples_what_the_model_without_it_samples(monkeypatch, static):
+    """train.py rolls out from the model it trains, which is in train mode; with grad_checkpointing,
+    transformers 5.17's checkpointed layers drop the KV cache in train mode whatever the grad mode
+    (the static path then fails on an empty prefill cache, the dynamic one decodes each token without
+    its context). Rollouts and the teacher's shared prefill run in eval mode, and restore the mode."""
+    eager_compile(monkeypatch)
+    plain, checkpointed = tiny_model(vocab=96), tiny_model(vocab=96)
+    checkpointed.train()
+    models.enable_grad_checkpointing(checkpointed)
+    prompts = [[1, 4, 5, 6, 7], [8, 9], [10]]
+    runs = [train.generate(m, prompts, group_size=2, max_new_tokens=8, temperature=1.0, top_p=1.0, eos_ids=[2], pad_id=0,
+                           generator=torch.Generator().manual_seed(5), static=static) for m in (plain, checkpointed)]
+    assert runs[1].response_ids == runs[0].response_ids
+    for a, b in zip(runs[1].old_logprobs, runs[0].old_logprobs):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    responses = [r + [3] for r in runs[0].response_ids]
+    prompts_per_row = runs[0].prompt_ids
+    shared = [models.shared_prompt_hidden(m, prompts_per_row, responses, torch.device("cpu")) for m in (plain, checkpointed)]
+    torch.testing.assert_close(shared[1], shared[0], atol=1e-5, rtol=1e-5)
+    assert checkpointed.training and all(m.training for m in checkpointed.modules()), "train mode restored"
+    assert not plain.training
+
+
+@pytest.fixture
+def deterministic():
+    """torch.use_deterministic_algorithms, as gpu_check's resume check runs: index_copy_ becomes
+    index_put_, which refuses a source of another dtype than the cache."""
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    yield
+    torch.use_deterministic_algorithms(before)
+
+
+def test_under_autocast_every_kv_cache_is_in_the_autocast_dtype(monkeypatch, deterministic):
+    """Under bf16 autocast RoPE makes keys fp32 and values bf16; transformers 5.17 then allocates
+    fp32 caches, and its StaticCache refuses the first bf16 value of a compiled (eager backend) or
+    deterministic decode step. Rollout (dynamic and static) and teacher caches store bf16, and the
+    static path samples what the dynamic one does."""
+    eager_compile(monkeypatch)
+    monkeypatch.setattr(models, "_static_caches", {})
+    model = tiny_model(vocab=96)
+    prompts = [[1, 4, 5, 6, 7], [8, 9], [10]]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        runs = [train.generate(model, prompts, group_size=2, max_new_tokens=8, temperature=1.0, top_p=1.0, eos_ids=[2],
+                               pad_id=0, generator=torch.Generator().manual_seed(5), static=static)
+                for static in (False, True)]
+    assert runs[1].response_ids == runs[0].response_ids
+    for a, b in zip(runs[1].old_logprobs, runs[0].old_logprobs):
+        torch.testing.assert_close(a, b, atol=1e-3, rtol=0)
+    (static_cache,) = models._static_caches.values()
+    assert {t.dtype for layer in static_cache.layers for t in (layer.keys, layer.values)} == {torch.bfloat16}
+    made, real = [], models.new_cache
+    monkeypatch.setattr(models, "new_cache", lambda dev: made.append(real(dev)) or made[-1])
+    monkeypatch.setattr(train, "new_cache", models.new_cache)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        train.generate(model, prompts, group_size=2, max_new_tokens=4, temperature=1.0, top_p=1.0, eos_ids=[2], pad_id=0,
+                       generator=torch.Generator().manual_seed(5))
+        models.shared_prompt_hidden(model, runs[0].prompt_ids, [r + [3] for r in runs[0].response_ids], torch.device("cpu"))
+    assert len(made) == 2  # the rollout's and the teacher's
+    assert {t.dtype for cache in made for layer in cache.layers for t in (layer.keys, layer.values)} == {torch.bfloat16}
+    with torch.no_grad():  # outside autocast the cache keeps the model's own dtype
+        cache = models.new_cache(torch.device("cpu"))
+        models.forward_with_cache(model, torch.tensor([[1, 4]]), torch.ones(1, 2, dtype=torch.long), None, cache)
+    assert cache.layers[0].keys.dtype == cache.layers[0].values.dtype == torch.float32
+
+
+def test_at_most_one_static_cache_is_alive(monkeypatch):
+    """A static cache per shape kept forever did not fit a GPU at the paper's scale: a longer batch
+    frees the live cache before allocating its own, a shorter one reuses it, and free_static_cache
+    (before a train step it does not fit beside) drops it."""
+    eager_compile(monkeypatch)
+    monkeypatch.setattr(models, "_static_caches", {})
+    model = tiny_model(vocab=96)
+
+    def rollout(prompts, max_new_tokens):
+        train.generate(model, prompts, group_size=2, max_new_tokens=max_new_tokens, temperature=1.0, top_p=1.0,
+                       eos_ids=[2], pad_id=0, generator=torch.Generator().manual_seed(5), static=True)
+        assert len(models._static_caches) == 1
+        return next(iter(models._static_caches.values()))
+
+    first = rollout([[1, 4, 5], [8, 9]], 8)
+    assert rollout([[1, 4], [8]], 8) is first  # shorter: the same buffers
+    longer = rollout([[1, 4, 5], [8, 9]], 70)
+    assert longer is not first and longer.layers[0].keys.shape[2] >= 73
+    assert models.static_cache_bytes() == sum(t.numel() * t.element_size() for layer in longer.layers
+                                              for t in (layer.keys, layer.values))
+    models.free_static_cache()
+    assert not models._static_caches and models.static_cache_bytes() == 0
+
+
+def test_the_static_cache_stays_through_a_train_step_only_where_it_fits():
+    gb = 10 ** 9
+    assert models.static_cache_fits(allocated=80 * gb, step_extra=40 * gb, total=141 * gb)
+    assert not models.static_cache_fits(allocated=128 * gb, step_extra=35 * gb, total=141 * gb)  # the paper-scale case
+    assert not models.static_cache_fits(allocated=1 * gb, step_extra=None, total=141 * gb)  # first step: not measured yet
+    memory = models.StepMemory()
+    memory.before_step(torch.device("cpu"))  # a CPU run keeps its cache (no device memory to run out of)
+    memory.after_step(torch.device("cpu"))
+    assert memory.step_extra is None
+
+
+def test_eval_mode_restores_every_submodules_own_mode():
+    model = tiny_model().train()
+    model.model.layers[0].eval()  # a submodule set apart stays apart
+    with models.eval_mode(model, None):
+        assert not any(m.training for m in model.modules())
+    assert model.training and not model.model.layers[0].training and model.model.layers[1].training
 
 
 def test_top_p_only_samples_from_the_nucleus():

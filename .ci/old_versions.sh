@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# CI on the GPU machine's versions: the floors requirements.txt states (transformers 5.17, torch 2.13
+# here: the CPU build this machine installs; the GPU machine has 2.11) in a second venv, and the test
+# files whose behaviour depends on them: models, rollouts and KV caches, the loss, the train loop.
+# Their static-cache tests compile the decode step with backend="eager" (dynamo traces it as on CUDA)
+# and run under torch.use_deterministic_algorithms, where 5.17's caches failed (issue 21, items 1, 3).
+#
+#   bash .ci/old_versions.sh            # creates (or reuses) the venv, then runs the tests
+#   OLD_VENV=/some/dir bash .ci/old_versions.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+venv=${OLD_VENV:-${TMPDIR:-/tmp}/nanosdpo-old-versions}
+pins=(torch==2.13.0 transformers==5.17.0)
+if ! "$venv/bin/python" -c "import torch, transformers, pytest
+assert torch.__version__.split('+')[0] == '2.13.0' and transformers.__version__ == '5.17.0'" 2>/dev/null; then
+    rm -rf "$venv"
+    python -m venv "$venv"
+    # torch first: the plain requirement must not pull a multi-GB CUDA build (as .ci/run does)
+    "$venv/bin/python" -m pip install -q "${pins[0]}"
+    "$venv/bin/python" -m pip install -q "${pins[1]}" "datasets>=3.0" tqdm numpy safetensors "pytest>=8.0"
+fi
+"$venv/bin/python" -c "import torch, transformers; print(f'old versions: torch {torch.__version__}, transformers {transformers.__version__}')"
+OMP_NUM_THREADS=1 "$venv/bin/python" -m pytest -q -p no:cacheprovider \
+    tests/test_models.py tests/test_rollout.py tests/test_loss.py tests/test_train.py
