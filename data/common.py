@@ -202,7 +202,7 @@ def convert(sources, fn, desc, dedup=False):
 def check_row(row, where):
     """The schema every training/eval line must satisfy."""
     ok = (isinstance(row.get("id"), str) and isinstance(row.get("domain"), str)
-          and row.get("kind") in ("math", "mcq", "tool", "exact") and isinstance(row.get("answer"), str)
+          and row.get("kind") in ("math", "mcq", "tool", "exact", "code") and isinstance(row.get("answer"), str)
           and row["answer"] != "" and isinstance(row.get("messages"), list) and row["messages"]
           and all(isinstance(m, dict) and m.get("role") in ("system", "user", "assistant")
                   and isinstance(m.get("content"), str) for m in row["messages"])

@@ -503,6 +503,9 @@ def _child(header, case, fds, nonce):
         sys.stderr = sys.__stderr__ = open(2, "w", encoding="utf-8", errors="replace", closefd=False)
         sys.argv = ["solution.py"]
         program, test = header["program"], case["code"]
+        import linecache  # tracebacks show the program's lines
+        for name, src in (("solution.py", program), ("test.py", test)):
+            linecache.cache[name] = (len(src), None, src.splitlines(True), name)
         g = {"__name__": "__main__" if case["main"] else "solution", "__builtins__": __builtins__}
         try:
             exec(compile(program, "solution.py", "exec"), g)

@@ -2,18 +2,19 @@
 The task files: data_dir/<name>/{train,test}.jsonl, one task a line, written by data/<name>/prepare.py
 and read (every record checked up front) by train.py:
 
-    {"id": str, "domain": str, "kind": "math" | "mcq" | "tool" | "exact", "answer": str,
+    {"id": str, "domain": str, "kind": "math" | "mcq" | "tool" | "exact" | "code", "answer": str,
      "messages": [{"role": "system" | "user", "content": str}, ...], "solution": str (optional)}
 
 `messages` is the prompt (an optional system turn, then the user turn); `kind` picks the answer
-checker (data/checkers.py); `solution` is the reference response that SFT trains on. Standard library
-only.
+checker (data/checkers.py); `solution` is the reference response that SFT trains on. A "code" answer
+is a JSON object of unit tests (its schema: data/checkers.py's code section), checked at load.
+Standard library only.
 """
 import json
 import os
 
 from configurator import UserError
-from data.checkers import answer_text
+from data.checkers import answer_text, code_answer_error
 
 
 def load(name, split, data_dir="data", kinds=(), need_solution=False):
@@ -57,6 +58,8 @@ def check(task, where, kinds, need_solution=False):
         raise UserError(f"{where}: messages must be a non-empty list of {{\"role\": str, \"content\": str}} objects")
     if not answer_text(task.get("answer")).strip():
         raise UserError(f"{where}: answer is missing or empty: every task needs a reference answer")
+    if task["kind"] == "code" and (error := code_answer_error(task["answer"])):
+        raise UserError(f"{where}: answer: {error} (see data/checkers.py, the code section)")
     if need_solution and not (isinstance(task.get("solution"), str) and task["solution"].strip()):
         raise UserError(f"{where}: algo=sft needs a 'solution' (the reference response) in every training task")
 
