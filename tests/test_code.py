@@ -347,3 +347,68 @@ def test_humaneval_reference_solutions_all_pass_and_shifted_ones_fail(tmp_path):
     scores = C.check_code_many(shifted, answers)
     assert [p["id"] for p, (s, _) in zip(problems, scores) if s != 0.0] == []
     assert all("failed a hidden test" in f and "candidate" not in f for _, f in scores)  # no test content shown
+
+
+def lcb_record(qid, date, public, private, starter="", func_name=None, compress=True):
+    """A record in livecodebench/code_generation_lite's format (private tests compressed as on the hub)."""
+    import base64
+    import pickle
+    import zlib
+    testtype = "functional" if func_name else "stdin"
+    private_json = json.dumps([{"input": i, "output": o, "testtype": testtype} for i, o in private])
+    return {"question_title": qid, "question_content": f"Problem {qid}.", "platform": "atcoder", "question_id": qid,
+            "contest_id": "c1", "contest_date": f"{date}T00:00:00", "starter_code": starter, "difficulty": "easy",
+            "public_test_cases": json.dumps([{"input": i, "output": o, "testtype": testtype} for i, o in public]),
+            "private_test_cases": base64.b64encode(zlib.compress(pickle.dumps(private_json))).decode()
+            if compress else private_json,
+            "metadata": json.dumps({"func_name": func_name} if func_name else {})}
+
+
+def test_livecodebench_records_convert_to_code_tasks_in_the_v6_window(tmp_path):
+    import subprocess
+    records = [lcb_record("abc1", "2025-03-01", [("1 2\n", "3\n")], [("5 6\n", "11\n"), ("0 0\n", "0\n")]),
+               lcb_record("lc2", "2025-04-30", [("[1, 2]", "3")], [("[5, 5]", "10")],
+                          starter="class Solution:\n    def total(self, nums: List[int]) -> int:\n        ",
+                          func_name="total", compress=False),
+               lcb_record("old3", "2024-12-31", [("1\n", "1\n")], []), lcb_record("new4", "2025-05-01", [("1\n", "1\n")], [])]
+    src = tmp_path / "test6.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in records))
+    out = tmp_path / "lcb"
+    subprocess.run([sys.executable, os.path.join(REPO, "data", "livecodebench", "prepare.py"), f"--from_file={src}",
+                    f"--out_dir={out}", "--train_split"], check=True, capture_output=True, cwd=REPO, timeout=120)
+    test = tasks.load("lcb", "test", str(tmp_path), kinds=train.REWARD_FNS)
+    assert [t["id"] for t in test] == ["lcb-abc1", "lcb-lc2"]  # the window is [2025-02-01, 2025-05-01)
+    stdin_task, call_task = test
+    assert "### Question:\nProblem abc1." in stdin_task["messages"][-1]["content"]
+    assert "class Solution:" in call_task["messages"][-1]["content"] and stdin_task["messages"][0]["role"] == "system"
+    add = py("a, b = map(int, input().split())\nprint(a + b)")
+    assert train.reward("code", add, stdin_task["answer"]) == (1.0, None)
+    score, feedback = train.reward("code", py("print(3)"), stdin_task["answer"])
+    assert score == 0.0 and "hidden test" in feedback and "11" not in feedback  # private: counted, never shown
+    total = py("from typing import List\nclass Solution:\n    def total(self, nums: List[int]) -> int:\n        return sum(nums)")
+    assert train.reward("code", total, call_task["answer"]) == (1.0, None)
+    assert json.loads(call_task["answer"])["fn_name"] == "total"
+    # the train split: the same problems, the public tests and half of the private ones
+    train_tasks = tasks.load("lcb", "train", str(tmp_path), kinds=train.REWARD_FNS)
+    n_tests = [len(json.loads(t["answer"])["tests"]) for t in train_tasks]
+    assert [t["id"] for t in train_tasks] == ["lcb-abc1", "lcb-lc2"] and n_tests == [2, 2]
+
+
+def test_livecodebench_refuses_a_pickle_that_loads_a_class_and_writes_nothing(tmp_path):
+    import base64
+    import pickle
+    import subprocess
+    import zlib
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, ("touch " + str(tmp_path / "pwned"),))
+    rec = lcb_record("x1", "2025-03-01", [("1\n", "1\n")], [])
+    rec["private_test_cases"] = base64.b64encode(zlib.compress(pickle.dumps(Evil()))).decode()
+    src = tmp_path / "test.jsonl"
+    src.write_text(json.dumps(rec) + "\n")
+    proc = subprocess.run([sys.executable, os.path.join(REPO, "data", "livecodebench", "prepare.py"), f"--from_file={src}",
+                           f"--out_dir={tmp_path / 'lcb'}"], capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert proc.returncode == 1 and proc.stderr.strip().splitlines()[-1].startswith("error:")
+    assert "compressed form" in proc.stderr
+    assert not (tmp_path / "pwned").exists() and not (tmp_path / "lcb").exists()
