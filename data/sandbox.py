@@ -1,6 +1,6 @@
 """
 Run untrusted Python programs (model-written code) against test cases, never in the trainer's process.
-Standard library only; Linux. This file is also the sandbox's harness: `python -I -S data/sandbox.py`.
+Standard library only; Linux. The harness, the part that runs in the sandbox, is data/sandbox_harness.py.
 
     results = run(program, [Case(stdin="1 2\\n"), Case(stdin="3 4\\n")])           # one program
     all_results = run_many([Job(program, cases), ...])                          # a pool, across cores
@@ -44,10 +44,9 @@ its own pass of an assert-style test (stdin/stdout cases are compared outside, a
 sandbox never sees). For a stronger boundary, set `WRAPPER` (or Limits.wrapper) to a command prefix
 that runs the harness elsewhere and forwards stdin/stdout: ["bwrap", "--unshare-all", "--ro-bind",
 "/usr", "/usr", ...], ["docker", "run", "-i", "--rm", "--network=none", IMAGE], ["nsjail", ...] or an
-ssh / remote-sandbox client; the line protocol (see _harness_main) is all it needs.
+ssh / remote-sandbox client; the line protocol (data/sandbox_harness.py) is all it needs.
 """
-import base64
-import ctypes
+import atexit
 import json
 import os
 import queue
@@ -61,7 +60,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-HARNESS = os.path.abspath(__file__)
+HARNESS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sandbox_harness.py")
 WRAPPER = []  # command prefix for a stronger runner (bwrap, docker run -i, nsjail, ...): see the docstring
 UID_BASE = 3_000_000_000  # sandbox uids: UID_BASE + 64 * (pid % 4096) + slot, unused by any account
 
@@ -118,11 +117,7 @@ def run(program, cases, limits=None, keep_going=None):
     after the first that keep_going rejects are not run). Never raises for anything the program does."""
     limits = limits or Limits()
     keep_going = keep_going or (lambda i, r: r.status == "ok")
-    slot = _slots.get()
-    try:
-        return _run_in_slot(program, list(cases), limits, keep_going, slot)
-    finally:
-        _slots.put(slot)
+    return _run_in_slot(program, list(cases), limits, keep_going, _slots.get())  # the reaper frees the slot
 
 
 _pool = []
@@ -164,10 +159,9 @@ def _clean_env():
 
 
 def _run_in_slot(program, cases, limits, keep_going, slot):
-    workdir = tempfile.mkdtemp(prefix="nanosdpo-sandbox-")
-    proc = None
-    results = []
+    proc, workdir, results = None, None, []
     try:
+        workdir = tempfile.mkdtemp(prefix="nanosdpo-sandbox-")
         os.chmod(workdir, 0o755)
         if os.geteuid() == 0:
             os.chown(workdir, _sandbox_uid(slot), _sandbox_uid(slot))
@@ -194,13 +188,51 @@ def _run_in_slot(program, cases, limits, keep_going, slot):
             msg = reader.line(time.monotonic() + limits.timeout_s + 5.0)
             r = _result(msg, limits)
             results.append(r)
-            if not keep_going(i, r) or r.status == "sandbox":
-                break
+            if not isinstance(msg, dict) or r.status == "sandbox" or not keep_going(i, r):
+                break  # a harness that stopped answering gets no further case
         return results
     finally:
-        if proc is not None:
-            _stop(proc)
-        shutil.rmtree(workdir, ignore_errors=True)
+        _reap_later(proc, workdir, slot)
+
+
+_reaper = []
+_reaper_lock = threading.Lock()
+
+
+def _reap_later(proc, workdir, slot):
+    """Tear a finished sandbox down off the caller's path: EOF to the harness now (it exits, and its
+    PID namespace with it), then, in a background thread, SIGKILL to its session, the reap, the temp
+    dir's removal and the slot's release. The caller has its results ~30 ms sooner per program."""
+    if proc is not None:
+        try:
+            proc.stdin.close()
+        except OSError:
+            pass
+    with _reaper_lock:
+        if not _reaper:
+            _reaper.append(queue.Queue())
+            threading.Thread(target=_reap_forever, args=(_reaper[0],), daemon=True, name="sandbox-reaper").start()
+            atexit.register(lambda: _reaper[0].join())
+    _reaper[0].put((proc, workdir, slot))
+
+
+def settle():
+    """Wait until every finished sandbox is torn down (its processes gone, its temp dir removed)."""
+    if _reaper:
+        _reaper[0].join()
+
+
+def _reap_forever(todo):
+    while True:
+        proc, workdir, slot = todo.get()
+        try:
+            if proc is not None:
+                _stop(proc)
+            if workdir:
+                shutil.rmtree(workdir, ignore_errors=True)
+        finally:
+            _slots.put(slot)
+            todo.task_done()
 
 
 def _result(msg, limits):
@@ -224,12 +256,8 @@ def _send(proc, obj):
 
 
 def _stop(proc):
-    """EOF to the harness (it exits, and its PID namespace with it); then SIGKILL to the whole
-    session, whatever survived, and reap."""
-    try:
-        proc.stdin.close()
-    except OSError:
-        pass
+    """Wait for the harness to exit (its stdin is closed), SIGKILL whatever of its session survived,
+    and reap."""
     try:
         proc.wait(timeout=2.0)
     except subprocess.TimeoutExpired:
@@ -285,289 +313,3 @@ class _LineReader:
         except ValueError:
             return self.DIED
         return obj if isinstance(obj, dict) else self.DIED
-
-
-# ----------------------------------------------------------------------------- harness side
-# Runs as `python -I -S -B data/sandbox.py` in the temp workdir. Protocol, one JSON object a line:
-#   trainer -> harness  {"program", "uid", "workdir", "limits"}, then one {"stdin", "code", "main"}
-#                       per case; EOF ends it
-#   harness -> trainer  {"isolation": [...]}, then one result {"status", "stdout", "stderr",
-#                       "detail", "result", "exit"} per case (or {"error"} if the harness failed)
-
-_CLONE = {"ns": 0x00020000, "uts": 0x04000000, "ipc": 0x08000000, "user": 0x10000000, "pid": 0x20000000,
-          "net": 0x40000000}
-_MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_REMOUNT, _MS_BIND, _MS_REC, _MS_PRIVATE = 1, 2, 4, 32, 4096, 16384, 1 << 18
-_PR_SET_NO_NEW_PRIVS = 38
-_SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
-
-
-def _libc():
-    return ctypes.CDLL(None, use_errno=True)
-
-
-def _check(ret, what):
-    if ret != 0:
-        e = ctypes.get_errno()
-        raise OSError(e, f"{what}: {os.strerror(e)}")
-
-
-def _mount(libc, src, target, fstype, flags, data=None):
-    _check(libc.mount(src and src.encode(), target.encode(), fstype and fstype.encode(), ctypes.c_ulong(flags),
-                      data and data.encode()), f"mount {target}")
-
-
-def _build_root(libc, root, limits, uid):
-    """A tmpfs at `root` with read-only binds of the system dirs and the interpreter, a few devices,
-    /tmp and /work (owned by the sandbox uid)."""
-    _mount(libc, None, "/", None, _MS_REC | _MS_PRIVATE)  # nothing we mount propagates to the host
-    _mount(libc, "tmpfs", root, "tmpfs", _MS_NOSUID | _MS_NODEV, f"size={limits['disk_mb']}m,nr_inodes=4096,mode=755")
-    binds = [d for d in _SYSTEM_DIRS if os.path.lexists(d)]
-    prefix = sys.base_prefix
-    if not any(prefix == d or prefix.startswith(d + "/") for d in binds):
-        binds.append(prefix)
-    for d in binds:
-        inside = root + d
-        if os.path.islink(d):  # merged /usr: /bin -> usr/bin
-            os.makedirs(os.path.dirname(inside), exist_ok=True)
-            os.symlink(os.readlink(d), inside)
-            continue
-        os.makedirs(inside, exist_ok=True)
-        for parent in _parents(root, d):
-            os.chmod(parent, 0o755)
-        _mount(libc, d, inside, None, _MS_BIND | _MS_REC)
-        _mount(libc, None, inside, None, _MS_BIND | _MS_REMOUNT | _MS_RDONLY | _MS_NOSUID | _MS_NODEV)
-    os.makedirs(root + "/dev")
-    for dev in ("null", "zero", "random", "urandom"):
-        open(root + "/dev/" + dev, "w").close()
-        _mount(libc, "/dev/" + dev, root + "/dev/" + dev, None, _MS_BIND)
-    for d, mode in (("/tmp", 0o1777), ("/work", 0o755)):
-        os.makedirs(root + d)
-        os.chmod(root + d, mode)
-    os.chown(root + "/work", uid, uid)
-
-
-def _parents(root, d):
-    parts = d.strip("/").split("/")
-    return [root + "/" + "/".join(parts[:i]) for i in range(1, len(parts) + 1)]
-
-
-def _isolate(header):
-    """Namespaces + chroot + uid when root; a user + network namespace when allowed; else nothing.
-    Returns (layers, in_pid_namespace). Called in the harness before anything of the program runs."""
-    libc, layers = _libc(), []
-    uid, limits = header["uid"], header["limits"]
-    if os.geteuid() == 0:
-        flags = _CLONE["ns"] | _CLONE["net"] | _CLONE["pid"] | _CLONE["ipc"] | _CLONE["uts"]
-        if libc.unshare(flags) == 0:
-            layers.append("namespaces")
-            try:
-                _build_root(libc, os.getcwd(), limits, uid)
-                layers.append("chroot")
-            except OSError as e:
-                layers.append(f"no-chroot({e.strerror})")
-    else:
-        uid_, gid_ = os.getuid(), os.getgid()
-        if libc.unshare(_CLONE["user"] | _CLONE["net"]) == 0:  # unprivileged: no network, that is all
-            try:
-                for path, text in (("/proc/self/setgroups", "deny"), ("/proc/self/uid_map", f"{uid_} {uid_} 1"),
-                                   ("/proc/self/gid_map", f"{gid_} {gid_} 1")):
-                    with open(path, "w") as f:
-                        f.write(text)
-                layers.append("netns")
-            except OSError:
-                pass
-    return layers, "namespaces" in layers
-
-
-def _enter(header, layers):
-    """In the PID namespace's init: chroot, rlimits, drop to the sandbox uid (order matters)."""
-    import resource
-    lim = header["limits"]
-    if "chroot" in layers:
-        root = os.getcwd()
-        os.chroot(root)
-        os.chdir("/work")
-    mb = 1 << 20
-    for res, value in ((resource.RLIMIT_AS, lim["memory_mb"] * mb), (resource.RLIMIT_NOFILE, lim["nofile"]), (resource.RLIMIT_CORE, 0),
-                       (resource.RLIMIT_NPROC, lim["nproc"])):
-        resource.setrlimit(res, (value, value))
-    if os.geteuid() == 0:
-        uid = header["uid"]
-        os.setgroups([])
-        os.setresgid(uid, uid, uid)
-        os.setresuid(uid, uid, uid)
-        layers.append("uid")
-    _libc().prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
-    layers.append("rlimits")
-
-
-def _harness_main():
-    import builtins, io, traceback  # noqa: F401  (loaded before the chroot; the cases use them)
-    out = os.dup(1)
-    os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
-    inp = sys.stdin.buffer
-
-    def say(obj):
-        data = (json.dumps(obj) + "\n").encode()
-        while data:
-            data = data[os.write(out, data):]
-
-    try:
-        header = json.loads(inp.readline())
-        layers, pid_ns = _isolate(header)
-    except Exception as e:  # a harness bug or a refused setup: report it, run nothing
-        say({"error": f"sandbox setup failed: {type(e).__name__}: {e}"})
-        return 1
-    if pid_ns:
-        # the first child is PID 1 of the new namespace: it runs the cases; this process only waits
-        pid = os.fork()
-        if pid:
-            os.close(out)
-            inp.close()
-            _, status = os.waitpid(pid, 0)
-            return os.waitstatus_to_exitcode(status)
-    try:
-        _enter(header, layers)
-    except Exception as e:
-        say({"error": f"sandbox setup failed: {type(e).__name__}: {e}"})
-        return 1
-    say({"isolation": layers})
-    own_tree = "uid" in layers or pid_ns  # kill(-1) reaches only the program's processes
-    for line in inp:
-        case = json.loads(line)
-        say(_run_case(header, case, own_tree))
-    return 0
-
-
-_SIGNALS = {signal.SIGXFSZ: "output limit", signal.SIGXCPU: "CPU time limit", signal.SIGKILL: "killed",
-            signal.SIGSEGV: "segmentation fault (memory or recursion)", signal.SIGABRT: "aborted"}
-
-
-def _run_case(header, case, own_tree):
-    """Fork, run program + case code in the child with the case's stdin; collect status and output."""
-    lim = header["limits"]
-    fds = {name: os.memfd_create(name) for name in ("stdin", "stdout", "stderr", "done")}
-    data = case["stdin"].encode("utf-8", "replace")
-    while data:
-        data = data[os.write(fds["stdin"], data):]
-    os.lseek(fds["stdin"], 0, 0)
-    nonce = base64.b32encode(os.urandom(15)).decode()
-    pid = os.fork()
-    if pid == 0:
-        _child(header, case, fds, nonce)  # never returns
-    timed_out = not _wait(pid, lim["timeout_s"])
-    if timed_out:
-        _kill(pid)
-    _, status = os.waitpid(pid, 0)
-    _kill_tree(pid, own_tree)
-    cap = lim["output_kb"] * 1024
-    stdout, stderr, done = (_read(fds[k], cap) for k in ("stdout", "stderr", "done"))
-    for fd in fds.values():
-        os.close(fd)
-    stderr = "\n".join(stderr.strip().splitlines()[-12:])[-2000:]
-    code = os.waitstatus_to_exitcode(status)
-    msg = {"stdout": stdout, "stderr": stderr, "exit": code, "result": None}
-    finished = done.startswith(nonce + "\n")
-    if timed_out:
-        msg.update(status="timeout", detail=f"timed out after {lim['timeout_s']:g} s")
-    elif code < 0:
-        sig = -code
-        what = _SIGNALS.get(sig, signal.Signals(sig).name if sig in signal.Signals._value2member_map_ else str(sig))
-        name = signal.Signals(sig).name if sig in signal.Signals._value2member_map_ else f"signal {sig}"
-        msg.update(status="killed", detail=f"killed by {name} ({what})")
-    elif code != 0:
-        last = stderr.strip().splitlines()[-1] if stderr.strip() else f"exit status {code}"
-        msg.update(status="error", detail=last[:300])
-    elif case["code"] and not finished:
-        msg.update(status="unfinished", detail="the program exited before its tests finished")
-    else:
-        msg.update(status="ok", detail="")
-        if finished:
-            msg["result"] = done[len(nonce) + 1:] or None
-    return msg
-
-
-def _child(header, case, fds, nonce):
-    code = 1
-    try:
-        import resource
-        os.setpgid(0, 0)
-        cpu, fsize = header["limits"]["cpu_s"], header["limits"]["output_kb"] * 1024
-        resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
-        resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, fsize))  # here, not in the harness: it writes stdin
-        for fd, target in ((fds["stdin"], 0), (fds["stdout"], 1), (fds["stderr"], 2), (fds["done"], 3)):
-            os.dup2(fd, target)
-        os.closerange(4, 1 << 16)
-        sys.stdin = sys.__stdin__ = open(0, "r", encoding="utf-8", errors="replace", closefd=False)
-        sys.stdout = sys.__stdout__ = open(1, "w", encoding="utf-8", errors="replace", closefd=False)
-        sys.stderr = sys.__stderr__ = open(2, "w", encoding="utf-8", errors="replace", closefd=False)
-        sys.argv = ["solution.py"]
-        program, test = header["program"], case["code"]
-        import linecache  # tracebacks show the program's lines
-        for name, src in (("solution.py", program), ("test.py", test)):
-            linecache.cache[name] = (len(src), None, src.splitlines(True), name)
-        g = {"__name__": "__main__" if case["main"] else "solution", "__builtins__": __builtins__}
-        try:
-            exec(compile(program, "solution.py", "exec"), g)
-            if test:
-                exec(compile(test, "test.py", "exec"), g)
-            result = g.get("__result__")
-            os.write(3, (nonce + "\n" + ("" if result is None else str(result))).encode("utf-8", "replace"))
-            code = 0
-        except SystemExit as e:
-            code = 0 if e.code is None else e.code if isinstance(e.code, int) else 1
-            if not isinstance(e.code, (int, type(None))):
-                print(e.code, file=sys.stderr)
-        except BaseException as e:
-            import traceback  # the program's frames (not this one), the last few: what a programmer reads
-            traceback.print_exception(type(e), e, e.__traceback__.tb_next, limit=-4)
-    finally:
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except BaseException:
-                pass
-        os._exit(code & 0xFF if isinstance(code, int) else 1)
-
-
-def _wait(pid, timeout):
-    """True when the child exited within timeout seconds."""
-    fd = os.pidfd_open(pid)
-    try:
-        return bool(select.select([fd], [], [], timeout)[0])
-    finally:
-        os.close(fd)
-
-
-def _kill(pid):
-    for target in (-pid, pid):
-        try:
-            os.kill(target, signal.SIGKILL)
-        except OSError:
-            pass
-
-
-def _kill_tree(pid, own_tree):
-    """Kill what the case left behind (forked children, daemons) and reap the zombies. kill(-1)
-    reaches every process this uid / PID namespace may signal: only the program's own."""
-    _kill(pid)
-    if own_tree:
-        try:
-            os.kill(-1, signal.SIGKILL)
-        except OSError:
-            pass
-    while True:
-        try:
-            if os.waitpid(-1, os.WNOHANG if not own_tree else 0)[0] == 0:
-                break
-        except ChildProcessError:
-            break
-
-
-def _read(fd, cap):
-    os.lseek(fd, 0, 0)
-    return os.read(fd, cap).decode("utf-8", "replace")
-
-
-if __name__ == "__main__":
-    sys.exit(_harness_main())

@@ -196,6 +196,7 @@ def test_hostile_fork_bomb_stops_at_the_process_limit_and_leaves_no_process_behi
     daemon = ("import os, time\nif os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n        time.sleep(20)\n"
               "        os._exit(0)\n    os._exit(0)\nprint('started')")
     assert hostile(daemon)[0] == 0.0
+    sandbox.settle()  # teardown runs in the background: wait for it
     assert sandbox_processes() == []
 
 
@@ -412,3 +413,14 @@ def test_livecodebench_refuses_a_pickle_that_loads_a_class_and_writes_nothing(tm
     assert proc.returncode == 1 and proc.stderr.strip().splitlines()[-1].startswith("error:")
     assert "compressed form" in proc.stderr
     assert not (tmp_path / "pwned").exists() and not (tmp_path / "lcb").exists()
+
+
+def test_the_code_benchmark_runs_and_its_runners_agree():
+    import subprocess
+    proc = subprocess.run([sys.executable, os.path.join(REPO, "tests", "bench", "bench_code.py"), "--programs=6",
+                           "--tests=3", "--baseline_programs=3", "--workers=2"], capture_output=True, text=True,
+                          cwd=REPO, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])  # the bench itself asserts the three runners' rewards agree
+    assert out["programs"] == 6 and out["workers"] == 2 and 0 < out["pass_rate"] < 1
+    assert out["pool_programs_per_s"] > 0 and out["baseline_programs_per_s"] > 0 and out["speedup_vs_baseline"] > 0
