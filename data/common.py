@@ -28,6 +28,7 @@ EVAL_PRESETS = {
     "math": ["math500", "aime", "amc23", "gsm8k"],
     "science": ["sciknoweval/biology", "sciknoweval/chemistry", "sciknoweval/material", "sciknoweval/physics"],
     "tool": ["tooluse"],
+    "code": ["livecodebench", "humaneval"],
     "general": ["gpqa", "mmlu_pro"],
 }
 EVAL_PRESETS["paper"] = EVAL_PRESETS["math"] + EVAL_PRESETS["science"] + EVAL_PRESETS["tool"] + EVAL_PRESETS["general"]
