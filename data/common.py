@@ -31,7 +31,8 @@ EVAL_PRESETS = {
     "code": ["livecodebench", "humaneval"],
     "general": ["gpqa", "mmlu_pro"],
 }
-EVAL_PRESETS["paper"] = EVAL_PRESETS["math"] + EVAL_PRESETS["science"] + EVAL_PRESETS["tool"] + EVAL_PRESETS["general"]
+EVAL_PRESETS["paper"] = (EVAL_PRESETS["math"] + EVAL_PRESETS["science"] + EVAL_PRESETS["tool"] + EVAL_PRESETS["code"]
+                         + EVAL_PRESETS["general"])
 
 # the paper's prompts
 MATH_SUFFIX = "\n\nPlease reason step by step, and put your final answer within \\boxed{}."
