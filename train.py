@@ -275,7 +275,7 @@ def load_tasks(name, split, data_dir="data", need_solution=False):
 # raises, bounded time on any string. `kind` picks the checker; feedback (None on success) is
 # one sentence for the SDPO teacher prompt and never reveals the answer.
 REWARD_FNS = {"math": checkers.check_math, "mcq": checkers.check_mcq, "tool": checkers.check_tool,
-              "exact": checkers.check_exact}
+              "exact": checkers.check_exact, "code": checkers.check_code}
 
 
 def reward(kind, response, answer, math_checker="builtin"):

@@ -1,6 +1,10 @@
-# The paper's continual order at full scale: math -> science -> tool use (100 iterations each),
-# SDPO with the paper's settings (train.py's defaults), every eval set scored after every stage.
+# The paper's continual order at full scale: math -> science -> tool use -> coding (100 iterations
+# each), SDPO with the paper's settings (train.py's defaults), every eval set scored after every stage.
+# Coding trains on SDPO's LiveCodeBench v6 train split (the paper used allenai/Dolci-Think-RL-7B's code
+# split, for which this repo has no converter yet) and is scored on LiveCodeBench v6 and HumanEval;
+# its programs run in data/sandbox.py.
 # Prepare: python data/dapo_math/prepare.py; python data/sciknoweval/prepare.py; python data/tooluse/prepare.py;
+# python data/livecodebench/prepare.py --train_split; python data/humaneval/prepare.py;
 # and the eval sets (math500, aime, amc23, gpqa, mmlu_pro).
 #   python train.py config/continual_real.py                                 # SDPO (EMA teacher)
 #   python train.py config/continual_real.py --algo=grpo --out_dir=out/continual_real_grpo
@@ -9,8 +13,10 @@ algo = "sdpo"
 # the model, thinking off (Qwen3-8B's training state fits no single GPU)
 init_from = "Qwen/Qwen3-4B"
 # the stages and the sets scored after each (mean@16, every prompt); evals only at stage ends
-stages = "dapo_math:100,sciknoweval/biology+sciknoweval/chemistry+sciknoweval/material+sciknoweval/physics:100,tooluse:100"
-eval_sets = "math500,aime,amc23,sciknoweval/biology,sciknoweval/chemistry,sciknoweval/material,sciknoweval/physics,tooluse,gpqa,mmlu_pro"
+stages = ("dapo_math:100,sciknoweval/biology+sciknoweval/chemistry+sciknoweval/material+sciknoweval/physics:100,"
+          "tooluse:100,livecodebench:100")
+eval_sets = ("math500,aime,amc23,sciknoweval/biology,sciknoweval/chemistry,sciknoweval/material,sciknoweval/physics,"
+             "tooluse,livecodebench,humaneval,gpqa,mmlu_pro")
 eval_interval = 0
 eval_n = 16
 eval_max_prompts = 0

@@ -84,6 +84,8 @@ def answer_problem(kind, answer):
             _tool_reference(text)
         except (ValueError, TypeError, AttributeError, RecursionError) as e:
             return f"a tool answer must be a JSON list of {{\"Action\": name, \"Action_Input\": JSON object}} calls ({e})"
+    if kind == "code" and (error := code_answer_error(answer)):
+        return f"answer: {error} (see data/checkers.py, the code section)"
     return None
 
 
@@ -798,3 +800,218 @@ def check_tool(response, answer):
     parts = [f"{what}: {', '.join(map(str, keys))}" for what, keys in
              (("missing arguments", missing), ("unexpected arguments", extra), ("wrong values for", wrong)) if keys]
     return 0.0, _clip_text("The Action Input arguments do not match (" + "; ".join(parts) + ").", 300)
+
+
+# --- code (unit tests in a sandbox) --------------------------------------------------------------
+# The answer is a JSON object (data/tasks.py checks it at load):
+#   {"tests": [test, ...], "fn_name": str (optional), "timeout": seconds per test (optional),
+#    "score": "all" (default: 1 if every test passes, else 0) or "fraction" (the share that pass)}
+# and each test one of
+#   {"input": str, "output": str}   stdin -> stdout (LiveCodeBench / Codeforces style); with fn_name
+#                                   a call: input = one JSON argument a line, output = the JSON value
+#                                   of fn_name(*args) (or Solution().fn_name, LeetCode style)
+#   {"assert": str}                 test code run after the program, e.g. HumanEval's
+#                                   "def check(candidate): ...\ncheck(f)"; passes if it raises nothing
+# plus "public": true for the tests that feedback may show (input, expected, got); the others are
+# hidden: their failure is reported without their content. Public tests run first; the program stops
+# at the first failure unless score is "fraction". Every run goes through data/sandbox.py.
+
+CODE_CHARS = 200_000        # the program is looked for in the last CODE_CHARS of a response
+CODE_FEEDBACK_CHARS = 1500  # the longest feedback
+_FENCE_RE = re.compile(r"```([^\n`]*)\n(.*?)```", re.S)
+_PY_TAGS = ("python", "python3", "py", "")
+
+
+def code_block(response):
+    """(program, status): the last fenced code block (the last Python-tagged one when a later block
+    is not Python, e.g. sample output), status 'ok' | 'none' | 'unclosed'."""
+    tail = str(response)[-CODE_CHARS:]
+    blocks = [(m.group(1).strip().lower(), m.group(2), m.end()) for m in _FENCE_RE.finditer(tail)]
+    end = blocks[-1][2] if blocks else 0
+    if tail.count("```", end) % 2 == 1:  # an opened fence never closed: cut off mid-program
+        return None, "unclosed"
+    if not blocks:
+        return None, "none"
+    python = [b for b in blocks if b[0] in _PY_TAGS]
+    return (python or blocks)[-1][1], "ok"
+
+
+def code_answer_error(answer):
+    """None if `answer` (a dict, or its JSON text) fits the code answer schema above, else what is wrong."""
+    try:
+        ref = json.loads(answer) if isinstance(answer, str) else answer
+    except ValueError:
+        return "a code answer must be a JSON object with a 'tests' list"
+    if not isinstance(ref, dict) or not isinstance(ref.get("tests"), list) or not ref["tests"]:
+        return "a code answer must be a JSON object with a non-empty 'tests' list"
+    if "fn_name" in ref and not (isinstance(ref["fn_name"], str) and ref["fn_name"].isidentifier()):
+        return "fn_name must be a Python identifier"
+    if "timeout" in ref and not (isinstance(ref["timeout"], (int, float)) and 0 < ref["timeout"] <= 600):
+        return "timeout must be a number of seconds in (0, 600]"
+    if ref.get("score", "all") not in ("all", "fraction"):
+        return "score must be 'all' or 'fraction'"
+    for i, t in enumerate(ref["tests"]):
+        ok = isinstance(t, dict) and (isinstance(t.get("assert"), str) or (isinstance(t.get("input"), str)
+                                                                           and isinstance(t.get("output"), str)))
+        if not ok:
+            return f"test {i} must be {{\"input\": str, \"output\": str}} or {{\"assert\": str}}"
+    return None
+
+
+@functools.lru_cache(maxsize=1024)
+def _code_reference(answer):
+    """The answer's tests as (public first) [(test, is_public)], fn_name, timeout, fraction."""
+    error = code_answer_error(answer)
+    if error:
+        raise ValueError(error)
+    ref = json.loads(answer)
+    tests = sorted(ref["tests"], key=lambda t: not t.get("public", False))
+    return tests, ref.get("fn_name"), ref.get("timeout"), ref.get("score") == "fraction"
+
+
+def _call_driver(fn_name, args_text):
+    """Test code for a call test: parse the JSON arguments, call the function, keep the JSON result."""
+    return (f"import json as _json\n_args = [_json.loads(_l) for _l in {args_text!r}.splitlines() if _l.strip()]\n"
+            f"_f = Solution().{fn_name} if 'Solution' in globals() else {fn_name}\n"
+            f"__result__ = _json.dumps(_f(*_args))\n")
+
+
+def _code_case(test, fn_name):
+    from data.sandbox import Case
+    if "assert" in test:
+        return Case(code=test["assert"], main=False)
+    if fn_name:
+        return Case(code=_call_driver(fn_name, test["input"]), main=False)
+    return Case(stdin=test["input"], main=True)
+
+
+def _close_token(a, b):
+    if a == b:
+        return True
+    try:
+        x, y = float(a), float(b)
+    except ValueError:
+        return False
+    return abs(x - y) <= 1e-6 * max(1.0, abs(y))
+
+
+def same_output(got, expected):
+    """stdout against the expected output: line by line, ignoring surrounding whitespace and trailing
+    blank lines; numbers within 1e-6 (relative above 1) compare equal."""
+    a, b = got.strip().splitlines(), expected.strip().splitlines()
+    if len(a) != len(b):
+        return False
+    for x, y in zip(a, b):
+        x, y = x.strip(), y.strip()
+        if x != y:
+            xs, ys = x.split(), y.split()
+            if len(xs) != len(ys) or not all(map(_close_token, xs, ys)):
+                return False
+    return True
+
+
+def _close_json(a, b):
+    """JSON values equal, floats within 1e-6 (relative above 1); True is not 1 (as in _same_json)."""
+    if isinstance(a, bool) or isinstance(b, bool):
+        return type(a) is type(b) and a == b
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)):
+        return a == b or abs(a - b) <= 1e-6 * max(1.0, abs(b))
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(map(_close_json, a, b))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_close_json(a[k], b[k]) for k in a)
+    return a == b
+
+
+def _same_value(got, expected):
+    try:
+        return _close_json(json.loads(got), json.loads(expected))
+    except (TypeError, ValueError, RecursionError):
+        return False
+
+
+def _test_passed(test, fn_name, result):
+    if result.status != "ok":
+        return False
+    if "assert" in test:
+        return True
+    if fn_name:
+        return result.result is not None and _same_value(result.result, test["output"])
+    return same_output(result.stdout, test["output"])
+
+
+def _clip_block(text, lines=8, chars=300):
+    rows = str(text).splitlines() or [""]
+    shown = "\n".join(r if len(r) <= chars else r[:chars] + "..." for r in rows[:lines])
+    return shown + (f"\n... ({len(rows) - lines} more lines)" if len(rows) > lines else "")
+
+
+def _code_feedback(test, k, fn_name, result, n_public):
+    """What a programmer would see for the failing test k (1-based); a hidden test shows no content."""
+    if result.status == "ok":
+        what = "wrong answer"
+    elif result.status == "error":
+        what = "error"
+    else:
+        what = result.detail or result.status
+    if not test.get("public", False):
+        if result.status == "error":
+            what = "error: " + result.detail.split(":")[0].strip()[:60]  # the exception's type only
+        plural = "s" if n_public > 1 else ""
+        passed = f"passed the public test{plural} but " if n_public and k > n_public else ""
+        return f"Your program {passed}failed a hidden test ({what})."
+    if "assert" in test:
+        shown = f"Test {k} failed ({what}).\nTest code:\n{_clip_block(test['assert'], 12)}"
+    else:
+        shown = f"Test {k} failed ({what}).\nInput:\n{_clip_block(test['input'])}"
+        if result.status == "ok":
+            got = result.result if fn_name else result.stdout
+            shown += f"\nExpected:\n{_clip_block(test['output'])}\nGot:\n{_clip_block(got if got else '(nothing)')}"
+    if result.status == "error" and result.stderr:
+        shown += "\nError:\n" + _clip_block("\n".join(result.stderr.splitlines()[-6:]), 6)
+    return shown[:CODE_FEEDBACK_CHARS]
+
+
+def _code_job(response, answer):
+    """(Job or None, (score, feedback) when there is nothing to run, scorer(results) -> (score, feedback))."""
+    from data.sandbox import Job, Limits
+    tests, fn_name, timeout, fraction = _code_reference(answer)
+    program, status = code_block(response)
+    if status == "unclosed":
+        return None, (0.0, TRUNCATED_FEEDBACK), None
+    if status == "none" or not program.strip():
+        return None, (0.0, "No program found: put your code in a ```python code block."), None
+    limits = Limits(timeout_s=float(timeout)) if timeout else Limits()
+    keep_going = (lambda i, r: True) if fraction else (lambda i, r: _test_passed(tests[i], fn_name, r))
+    job = Job(program, [_code_case(t, fn_name) for t in tests], limits, keep_going)
+    n_public = sum(bool(t.get("public")) for t in tests)
+
+    def score(results):
+        passed = [_test_passed(t, fn_name, r) for t, r in zip(tests, results)]
+        failed = next((i for i, ok in enumerate(passed) if not ok), None)
+        if failed is None and len(results) == len(tests):
+            return 1.0, None
+        value = sum(passed) / len(tests) if fraction else 0.0
+        if failed is None:  # the sandbox stopped early without a failing result (should not happen)
+            return value, "Your program could not be run on every test."
+        return value, _code_feedback(tests[failed], failed + 1, fn_name, results[failed], n_public)
+    return job, None, score
+
+
+def check_code(response, answer):
+    """Run the response's last fenced code block on the answer's tests in the sandbox (data/sandbox.py)."""
+    from data.sandbox import run
+    job, early, score = _code_job(response, answer)
+    if job is None:
+        return early
+    return score(run(job.program, job.cases, job.limits, job.keep_going))
+
+
+def check_code_many(responses, answers, workers=0):
+    """[check_code(r, a) for r, a in zip(responses, answers)], the programs run in parallel across
+    `workers` sandboxes (0 = one per core): a rollout batch's rewards in one call."""
+    from data.sandbox import run_many
+    prepared = [_code_job(r, a) for r, a in zip(responses, answers)]
+    jobs = [job for job, _, _ in prepared if job is not None]
+    results = iter(run_many(jobs, workers))
+    return [early if job is None else score(next(results)) for job, early, score in prepared]

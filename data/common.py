@@ -28,9 +28,11 @@ EVAL_PRESETS = {
     "math": ["math500", "aime", "amc23", "gsm8k"],
     "science": ["sciknoweval/biology", "sciknoweval/chemistry", "sciknoweval/material", "sciknoweval/physics"],
     "tool": ["tooluse"],
+    "code": ["livecodebench", "humaneval"],
     "general": ["gpqa", "mmlu_pro"],
 }
-EVAL_PRESETS["paper"] = EVAL_PRESETS["math"] + EVAL_PRESETS["science"] + EVAL_PRESETS["tool"] + EVAL_PRESETS["general"]
+EVAL_PRESETS["paper"] = (EVAL_PRESETS["math"] + EVAL_PRESETS["science"] + EVAL_PRESETS["tool"] + EVAL_PRESETS["code"]
+                         + EVAL_PRESETS["general"])
 
 # the paper's prompts
 MATH_SUFFIX = "\n\nPlease reason step by step, and put your final answer within \\boxed{}."
@@ -211,7 +213,7 @@ def convert(sources, fn, desc, dedup=False):
 def check_row(row, where):
     """The schema every training/eval line must satisfy."""
     ok = (isinstance(row.get("id"), str) and isinstance(row.get("domain"), str)
-          and row.get("kind") in ("math", "mcq", "tool", "exact") and isinstance(row.get("answer"), str)
+          and row.get("kind") in ("math", "mcq", "tool", "exact", "code") and isinstance(row.get("answer"), str)
           and row["answer"] != "" and isinstance(row.get("messages"), list) and row["messages"]
           and all(isinstance(m, dict) and m.get("role") in ("system", "user", "assistant")
                   and isinstance(m.get("content"), str) for m in row["messages"])

@@ -2,14 +2,14 @@
 The task files: data_dir/<name>/{train,test}.jsonl, one task a line, written by data/<name>/prepare.py
 and read (every record checked up front) by train.py:
 
-    {"id": str, "domain": str, "kind": "math" | "mcq" | "tool" | "exact", "answer": str,
+    {"id": str, "domain": str, "kind": "math" | "mcq" | "tool" | "exact" | "code", "answer": str,
      "messages": [{"role": "system" | "user" | "assistant", "content": str}, ...], "solution": str (optional)}
 
 `messages` is the prompt (an optional system turn, then the user turn; earlier user / assistant
 turns are few-shot examples); `kind` picks the answer checker (data/checkers.py) and the answer's
 shape (checkers.answer_problem: an mcq letter, a tool call list); `solution` is the reference
-response that SFT trains on. Standard library
-only.
+response that SFT trains on. A "code" answer is a JSON object of unit tests (its schema:
+data/checkers.py's code section), checked at load. Standard library only.
 """
 import hashlib
 import json
