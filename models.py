@@ -413,11 +413,17 @@ def prompt_budget(model, max_new_tokens, max_prompt_len=0):
 CHARS_PER_TOKEN = 64  # no tokenizer spells one token with more: a longer text is too long without tokenizing it
 
 
-def dropped_characters(tokenizer, texts, ids):
-    """The characters of texts that the token ids do not spell back: what the tokenizer drops (the
-    toy tokenizer knows printable ASCII and newline only) or maps to its unknown token."""
-    wanted = set().union(*map(set, texts)) - set(" \t\n\r")
-    return sorted(wanted - set(tokenizer.decode(ids, skip_special_tokens=False))) if wanted else []
+def dropped_characters(tokenizer, texts):
+    """The characters of texts that the tokenizer cannot spell back: what it drops (the toy tokenizer
+    knows printable ASCII and newline only) or maps to its unknown token. Each distinct character is
+    tried once per tokenizer (a data set holds few)."""
+    chars = set().union(*map(set, texts)) - set(" \t\n\r")
+    return sorted(c for c in chars if not _spells_back(tokenizer, c))
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _spells_back(tokenizer, char):
+    return char in tokenizer.decode(tokenizer.encode(char, add_special_tokens=False), skip_special_tokens=False)
 
 
 def fit_tasks(tasks, name, tokenizer, *, cap, enable_thinking=False, context=None, say=print,
@@ -427,19 +433,18 @@ def fit_tasks(tasks, name, tokenizer, *, cap, enable_thinking=False, context=Non
     A text far longer in characters is left out without being tokenized (bounded time on any
     input). Characters the tokenizer would drop silently are refused for a character-level
     tokenizer (under 256 tokens: the toy's) and a warning for any other."""
-    ids_of = {}
+    prompt_len = {}
 
     def prompt_fits(task):
         if data_tasks.prompt_chars(task) > CHARS_PER_TOKEN * cap:
             return False
-        ids_of[id(task)] = prompt_ids(tokenizer, task["messages"], enable_thinking)
-        return len(ids_of[id(task)]) <= cap
+        prompt_len[id(task)] = len(prompt_ids(tokenizer, task["messages"], enable_thinking))
+        return prompt_len[id(task)] <= cap
 
     def sequence_fits(task):  # SFT trains on prompt + solution + EOS, one sequence
         if len(task["solution"]) > CHARS_PER_TOKEN * context:
             return False
-        ids_of[id(task)] = ids_of[id(task)] + tokenizer.encode(task["solution"], add_special_tokens=False)
-        return len(ids_of[id(task)]) + 1 <= context
+        return prompt_len[id(task)] + len(tokenizer.encode(task["solution"], add_special_tokens=False)) + 1 <= context
     kept = data_tasks.fitting(tasks, name, prompt_fits, say, why=f"longer than {cap} tokens", fix=fix, required=required)
     if context is not None:
         kept = data_tasks.fitting(kept, name, sequence_fits, say, what="SFT tasks", required=required,
@@ -448,7 +453,7 @@ def fit_tasks(tasks, name, tokenizer, *, cap, enable_thinking=False, context=Non
     dropped = []
     for task in kept:
         texts = [m["content"] for m in task["messages"]] + ([task["solution"]] if context is not None else [])
-        lost = dropped_characters(tokenizer, texts, ids_of[id(task)])
+        lost = dropped_characters(tokenizer, texts)
         if lost and len(tokenizer) < 256:
             raise UserError(f"{name}: task {task.get('id', '?')}: the {len(tokenizer)}-token tokenizer cannot encode "
                             f"{''.join(lost)[:40]!r} and would drop it silently: remove those characters from the data "

@@ -244,9 +244,9 @@ def check_config(cfg):
                         "teacher=frozen or ema (live is the student, trust_region mixes in the initial model)")
     parse_stages(cfg["stages"], cfg["dataset"], cfg["max_iters"])
     check_seed(cfg["seed"])
-    for key, fields in (("reprompt_template", ("prompt", "solution", "feedback")), ("solution_template", ("solution",)),
-                        ("feedback_template", ("feedback",))):
-        check_template(key, cfg[key], fields)
+    for key, fields in {"reprompt_template": "prompt solution feedback", "solution_template": "solution",
+                        "feedback_template": "feedback"}.items():  # each tried now, not at the first teacher prompt
+        check_template(key, cfg[key], fields.split())
 
 
 def parse_stages(stages, dataset, max_iters):
@@ -1351,10 +1351,9 @@ def fit_prompts(train_tasks, eval_tasks, model, tokenizer, cfg, log):
     with it as the demonstration), those that fit as the training teacher's must."""
     cap, context = prompt_budget(model, cfg["max_new_tokens"], cfg["max_prompt_len"])
     fit = functools.partial(fit_tasks, tokenizer=tokenizer, enable_thinking=cfg["enable_thinking"], say=log.say)
-    for name in train_tasks:
-        train_tasks[name] = fit(train_tasks[name], name, cap=cap, context=context if cfg["algo"] == "sft" else None)
-    for name in eval_tasks:
-        eval_tasks[name] = fit(eval_tasks[name], name, cap=cap)
+    for sets, whole in ((train_tasks, context if cfg["algo"] == "sft" else None), (eval_tasks, None)):
+        for name in sets:
+            sets[name] = fit(sets[name], name, cap=cap, context=whole)
     demos = {name: [dict(t, messages=teacher_messages(t["messages"], t["solution"], None, cfg)) for t in tasks
                     if t.get("solution")] for name, tasks in eval_tasks.items()} if cfg["algo"] == "sdpo" else {}
     limit = min(cfg["max_reprompt_len"], context - cfg["max_new_tokens"])
