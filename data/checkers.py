@@ -1014,3 +1014,20 @@ def check_code_many(responses, answers, workers=0):
     jobs = [job for job, _, _ in prepared if job is not None]
     results = iter(run_many(jobs, workers))
     return [early if job is None else score(next(results)) for job, early, score in prepared]
+
+
+def check_batch(kinds, responses, answers, check_one):
+    """[check_one(kind, response, answer) for each], except that the "code" ones run together on the
+    sandbox pool (check_code_many): a rollout's or an eval chunk's programs in parallel. check_one is
+    the caller's never-raising dispatch (train.reward); it also takes over if the pool fails."""
+    out = [None] * len(kinds)
+    code = [i for i, kind in enumerate(kinds) if kind == "code"]
+    if code:
+        try:
+            batch = check_code_many(["" if responses[i] is None else str(responses[i]) for i in code],
+                                    [answer_text(answers[i]) for i in code])
+            for i, scored in zip(code, batch):
+                out[i] = scored
+        except Exception:  # a bad answer, the pool: each is checked alone below, where errors are handled
+            pass
+    return [o if o is not None else check_one(k, r, a) for o, k, r, a in zip(out, kinds, responses, answers)]

@@ -463,3 +463,13 @@ def test_toy_func_feedback_names_the_first_wrong_point_as_the_teacher_copies_do(
     shown = dict(pair.split("=") for pair in t["messages"][-1]["content"].split())
     lookup = "{" + ", ".join(f"{k[2:-1]}: {v}" for k, v in shown.items()) + "}.get(x, 0)"
     assert train.reward("code", f"<answer>{lookup}</answer>", t["answer"])[0] == 0.0
+
+
+def test_check_batch_scores_a_mixed_batch_like_one_reward_call_each():
+    kinds = ["code", "math", "code", "exact", "code"]
+    responses = [py("a, b = map(int, input().split())\nprint(a + b)"), "\\boxed{4}", py("print(0)"),
+                 "<answer>abc</answer>", "no code"]
+    answers = [ADD, "4", ADD, "abd", "{not json"]
+    batch = C.check_batch(kinds, responses, answers, train.reward)
+    assert batch == [train.reward(k, r, a) for k, r, a in zip(kinds, responses, answers)]
+    assert [s for s, _ in batch] == [1.0, 1.0, 0.0, 0.0, 0.0]
