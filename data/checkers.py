@@ -813,7 +813,10 @@ def check_tool(response, answer):
 #   {"assert": str}                 test code run after the program, e.g. HumanEval's
 #                                   "def check(candidate): ...\ncheck(f)"; passes if it raises nothing
 # plus "public": true for the tests that feedback may show (input, expected, got); the others are
-# hidden: their failure is reported without their content. Public tests run first; the program stops
+# hidden: their failure is reported without their content. With "expression": "x" (the toy
+# domain) the response's answer is one Python expression in x, its last <answer></answer> (else its
+# last code block), run as `def f(x): return (expr)` with fn_name "f" (a call test per point),
+# and the feedback reads "f(4) gave 8, expected 9". Public tests run first; the program stops
 # at the first failure unless score is "fraction". Every run goes through data/sandbox.py.
 
 CODE_CHARS = 200_000        # the program is looked for in the last CODE_CHARS of a response
@@ -850,6 +853,9 @@ def code_answer_error(answer):
         return "timeout must be a number of seconds in (0, 600]"
     if ref.get("score", "all") not in ("all", "fraction"):
         return "score must be 'all' or 'fraction'"
+    if "expression" in ref and not (isinstance(ref["expression"], str) and ref["expression"].isidentifier()
+                                    and ref.get("fn_name") == "f"):
+        return "expression must name the variable (an identifier) and fn_name must be 'f'"
     for i, t in enumerate(ref["tests"]):
         ok = isinstance(t, dict) and (isinstance(t.get("assert"), str) or (isinstance(t.get("input"), str)
                                                                            and isinstance(t.get("output"), str)))
@@ -860,13 +866,34 @@ def code_answer_error(answer):
 
 @functools.lru_cache(maxsize=1024)
 def _code_reference(answer):
-    """The answer's tests as (public first) [(test, is_public)], fn_name, timeout, fraction."""
+    """The answer's tests (public first), fn_name, timeout, fraction, expression variable."""
     error = code_answer_error(answer)
     if error:
         raise ValueError(error)
     ref = json.loads(answer)
     tests = sorted(ref["tests"], key=lambda t: not t.get("public", False))
-    return tests, ref.get("fn_name"), ref.get("timeout"), ref.get("score") == "fraction"
+    return tests, ref.get("fn_name"), ref.get("timeout"), ref.get("score") == "fraction", ref.get("expression")
+
+
+MAX_EXPRESSION_CHARS = 300
+
+
+def expression_program(response, var):
+    """(program, status) for an expression answer: `def f(var): return (<expr>)`, status 'ok' |
+    'none' | 'unclosed' | 'invalid' (not one Python expression)."""
+    expr, status = _last_tag(str(response))
+    if status == "none":
+        expr, status = code_block(response)
+    if status != "ok" or not expr or not expr.strip():
+        return None, "none" if status == "ok" else status
+    expr = expr.strip()
+    try:
+        if len(expr) > MAX_EXPRESSION_CHARS:
+            raise SyntaxError("too long")
+        ast.parse(expr, mode="eval")
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        return None, "invalid"
+    return f"def f({var}):\n    return (\n{expr}\n    )\n", "ok"
 
 
 def _call_driver(fn_name, args_text):
@@ -946,8 +973,19 @@ def _clip_block(text, lines=8, chars=300):
     return shown + (f"\n... ({len(rows) - lines} more lines)" if len(rows) > lines else "")
 
 
-def _code_feedback(test, k, fn_name, result, n_public):
+def _expression_feedback(test, result):
+    point = test["input"].strip()
+    if result.status == "ok":
+        return f"f({point}) gave {result.result}, expected {test['output'].strip()}."
+    if result.status == "error":
+        return f"f({point}) raised {result.detail.split(':')[0].strip()[:60]}."
+    return f"f({point}): {result.detail or result.status}."
+
+
+def _code_feedback(test, k, fn_name, result, n_public, expression=None):
     """What a programmer would see for the failing test k (1-based); a hidden test shows no content."""
+    if expression and test.get("public", False):
+        return _expression_feedback(test, result)
     if result.status == "ok":
         what = "wrong answer"
     elif result.status == "error":
@@ -975,11 +1013,16 @@ def _code_feedback(test, k, fn_name, result, n_public):
 def _code_job(response, answer):
     """(Job or None, (score, feedback) when there is nothing to run, scorer(results) -> (score, feedback))."""
     from data.sandbox import Job, Limits
-    tests, fn_name, timeout, fraction = _code_reference(answer)
-    program, status = code_block(response)
+    tests, fn_name, timeout, fraction, expression = _code_reference(answer)
+    program, status = expression_program(response, expression) if expression else code_block(response)
     if status == "unclosed":
         return None, (0.0, TRUNCATED_FEEDBACK), None
+    if status == "invalid":
+        return None, (0.0, f"Your answer is not one Python expression in {expression}."), None
     if status == "none" or not program.strip():
+        if expression:
+            return None, (0.0, f"No final answer found: put a Python expression in {expression} inside "
+                               "<answer></answer>."), None
         return None, (0.0, "No program found: put your code in a ```python code block."), None
     limits = Limits(timeout_s=float(timeout)) if timeout else Limits()
     keep_going = (lambda i, r: True) if fraction else (lambda i, r: _test_passed(tests[i], fn_name, r))
@@ -994,7 +1037,7 @@ def _code_job(response, answer):
         value = sum(passed) / len(tests) if fraction else 0.0
         if failed is None:  # the sandbox stopped early without a failing result (should not happen)
             return value, "Your program could not be run on every test."
-        return value, _code_feedback(tests[failed], failed + 1, fn_name, results[failed], n_public)
+        return value, _code_feedback(tests[failed], failed + 1, fn_name, results[failed], n_public, expression)
     return job, None, score
 
 
@@ -1015,3 +1058,20 @@ def check_code_many(responses, answers, workers=0):
     jobs = [job for job, _, _ in prepared if job is not None]
     results = iter(run_many(jobs, workers))
     return [early if job is None else score(next(results)) for job, early, score in prepared]
+
+
+def check_batch(kinds, responses, answers, check_one):
+    """[check_one(kind, response, answer) for each], except that the "code" ones run together on the
+    sandbox pool (check_code_many): a rollout's or an eval chunk's programs in parallel. check_one is
+    the caller's never-raising dispatch (train.reward); it also takes over if the pool fails."""
+    out = [None] * len(kinds)
+    code = [i for i, kind in enumerate(kinds) if kind == "code"]
+    if code:
+        try:
+            batch = check_code_many(["" if responses[i] is None else str(responses[i]) for i in code],
+                                    [answer_text(answers[i]) for i in code])
+            for i, scored in zip(code, batch):
+                out[i] = scored
+        except Exception:  # a bad answer, the pool: each is checked alone below, where errors are handled
+            pass
+    return [o if o is not None else check_one(k, r, a) for o, k, r, a in zip(out, kinds, responses, answers)]

@@ -424,3 +424,70 @@ def test_the_code_benchmark_runs_and_its_runners_agree():
     out = json.loads(proc.stdout.strip().splitlines()[-1])  # the bench itself asserts the three runners' rewards agree
     assert out["programs"] == 6 and out["workers"] == 2 and 0 < out["pass_rate"] < 1
     assert out["pool_programs_per_s"] > 0 and out["baseline_programs_per_s"] > 0 and out["speedup_vs_baseline"] > 0
+
+
+# --- the toy code domain (data/toy/prepare.py's func) --------------------------------------------
+
+@pytest.fixture(scope="module")
+def toy_func(toy_data):
+    if not os.path.exists(os.path.join(toy_data, "toy", "func", "test.jsonl")):  # prepared before func existed
+        import subprocess
+        subprocess.run([sys.executable, os.path.join(toy_data, "toy", "prepare.py")], check=True, cwd=REPO)
+    return {split: tasks.load("toy/func", split, toy_data, kinds=train.REWARD_FNS, need_solution=True)
+            for split in ("train", "test")}
+
+
+def test_toy_func_solutions_pass_in_the_sandbox_and_test_questions_are_not_trained_on(toy_func):
+    test = toy_func["test"]
+    assert len(test) == 100 and all(t["kind"] == "code" for t in test)
+    scores = C.check_code_many([t["solution"] for t in test], [t["answer"] for t in test])
+    assert all(s == (1.0, None) for s in scores)
+    asked = {t["messages"][-1]["content"] for t in test}
+    assert not asked & {t["messages"][-1]["content"] for t in toy_func["train"]}
+
+
+def test_toy_func_feedback_names_the_first_wrong_point_as_the_teacher_copies_do(toy_func):
+    import random
+    sys.path.insert(0, os.path.join(REPO, "data", "toy"))
+    import prepare as toy_prepare
+    rng = random.Random(0)
+    for t in toy_func["test"][:12]:
+        wrong = toy_prepare.wrong_attempt(t["solution"], t["answer"], rng)
+        score, feedback = train.reward("code", wrong, t["answer"])
+        assert score == 0.0 and feedback == toy_prepare.func_feedback(wrong, t["answer"])
+        assert feedback.startswith("f(") and " gave " in feedback and ", expected " in feedback
+    assert train.reward("code", "<answer>2*x+</answer>", toy_func["test"][0]["answer"])[1] == \
+        "Your answer is not one Python expression in x."
+    # the hidden points are not in the prompt: an expression that only fits the shown ones fails
+    t = toy_func["test"][0]
+    shown = dict(pair.split("=") for pair in t["messages"][-1]["content"].split())
+    lookup = "{" + ", ".join(f"{k[2:-1]}: {v}" for k, v in shown.items()) + "}.get(x, 0)"
+    assert train.reward("code", f"<answer>{lookup}</answer>", t["answer"])[0] == 0.0
+
+
+def test_check_batch_scores_a_mixed_batch_like_one_reward_call_each():
+    kinds = ["code", "math", "code", "exact", "code"]
+    responses = [py("a, b = map(int, input().split())\nprint(a + b)"), "\\boxed{4}", py("print(0)"),
+                 "<answer>abc</answer>", "no code"]
+    answers = [ADD, "4", ADD, "abd", "{not json"]
+    batch = C.check_batch(kinds, responses, answers, train.reward)
+    assert batch == [train.reward(k, r, a) for k, r, a in zip(kinds, responses, answers)]
+    assert [s for s, _ in batch] == [1.0, 1.0, 0.0, 0.0, 0.0]
+
+
+@pytest.mark.parametrize("mode", ["user", "none"])
+def test_the_lesser_isolation_modes_still_run_and_judge_programs(mode):
+    """The paths a non-root account (user namespaces, or nothing) takes, forced here: benign programs only."""
+    limits = sandbox.Limits(isolation=mode, timeout_s=2)
+    results = sandbox.run("a, b = map(int, input().split())\nprint(a + b)",
+                          [sandbox.Case(stdin="1 2\n"), sandbox.Case(stdin="x\n")], limits)
+    assert [r.status for r in results] == ["ok", "error"] and results[0].stdout == "3\n"
+    assert sandbox.run("while True:\n    pass", [sandbox.Case()], limits)[0].status == "timeout"
+    results = sandbox.run("def sq(x):\n    return x * x", [sandbox.Case(code="__result__ = str(sq(7))", main=False)], limits)
+    assert results[0].status == "ok" and results[0].result == "49"
+    if mode == "user":  # an unprivileged network namespace: the trainer's loopback is out of reach
+        with socket.socket() as listener:
+            listener.bind(("127.0.0.1", 0))
+            listener.listen(1)
+            probe = f"import socket\nsocket.create_connection(('127.0.0.1', {listener.getsockname()[1]}), timeout=1)"
+            assert sandbox.run(probe, [sandbox.Case()], limits)[0].status == "error"

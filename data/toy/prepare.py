@@ -14,6 +14,12 @@ format is learned from its SFT data. Domains (distance from `add`, the usual fir
 Two answer formats make format leakage measurable: a `\\boxed{}` in a string task (or an
 `<answer>` tag in an arithmetic one) is another domain's format showing up.
 
+A toy code domain, kept apart from the five (CODE_DOMAINS: the existing base's data is unchanged):
+    func  find f from examples           <answer>2*x+1</answer>  -- code: run in data/sandbox.py
+"f(1)=3 f(2)=5 f(3)=7" asks for a Python expression in x; the code reward runs it on hidden points
+(0, 4, 5, 10) and its feedback reads "f(4) gave 8, expected 9". Its teacher-context copies go to
+data/toy/context_code/train.jsonl; a base that includes the domain trains on toy/func and them.
+
 Training lines carry `solution` (the reference response, used by SFT). Copies of some of them
 (CONTEXT_FRACTION per domain) in the SDPO teacher-context format (the prompt followed by a correct
 solution, or by feedback on a wrong attempt) go to data/toy/context/train.jsonl, which the SFT
@@ -43,10 +49,24 @@ N_TEST = 100
 # more: using a demonstration of a 3-5-letter answer in context is the hardest skill for the base.
 CONTEXT_FRACTION = {"add": 0.15, "sub": 0.15, "mul": 0.15, "sort": 0.6, "rev": 0.6}
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
+CODE_DOMAINS = ["func"]
+N_TRAIN["func"], CONTEXT_FRACTION["func"] = 4000, 0.3
+FUNC_FORMS = ("{a}*x+{b}", "{a}*x-{b}", "x*x+{b}", "x*x-{b}", "{a}*x*x+{b}")
+FUNC_SHOWN, FUNC_HIDDEN = (1, 2, 3), (4, 5, 0, 10)
+
+
+def func_value(expr, x):
+    return eval(expr, {"__builtins__": {}}, {"x": x})  # our own generated expression, never a model's
 
 
 def make_task(domain, rng):
     """Return (question, answer, kind, solution)."""
+    if domain == "func":
+        expr = rng.choice(FUNC_FORMS).format(a=rng.randint(2, 9), b=rng.randint(1, 20))
+        question = " ".join(f"f({x})={func_value(expr, x)}" for x in FUNC_SHOWN)
+        tests = [{"input": str(x), "output": str(func_value(expr, x)), "public": True} for x in FUNC_HIDDEN]
+        answer = json.dumps({"expression": "x", "fn_name": "f", "tests": tests, "timeout": 2})
+        return question, answer, "code", f"<answer>{expr}</answer>"
     if domain in ("add", "sub", "mul"):
         a = rng.randint(10, 99)
         b = rng.randint(2, 9) if domain == "mul" else rng.randint(1, 9)
@@ -66,6 +86,10 @@ def make_task(domain, rng):
 
 def wrong_attempt(solution, answer, rng):
     """A plausible wrong response: one character of the answer changed, format intact."""
+    if answer.startswith("{"):  # func: one digit of the expression changed (the answer is its tests)
+        expr = solution[len("<answer>"):-len("</answer>")]
+        i = rng.choice([k for k, c in enumerate(expr) if c.isdigit()])
+        return solution.replace(expr, expr[:i] + rng.choice([c for c in "123456789" if c != expr[i]]) + expr[i + 1:])
     i = rng.randrange(len(answer))
     pool = "0123456789" if answer[i].isdigit() else LETTERS
     wrong = answer[:i] + rng.choice([c for c in pool if c != answer[i]]) + answer[i + 1:]
@@ -89,9 +113,23 @@ def teacher_context_example(question, solution, kind, answer, rng):
     correct peer, or the checker's feedback on a wrong try."""
     if rng.random() < 0.7:
         return REPROMPT.format(prompt=question, solution=SOLUTION.format(solution=solution), feedback="")
-    check = {"math": check_math, "exact": check_exact}[kind]
-    feedback = check(wrong_attempt(solution, answer, rng), answer)[1]
+    if kind == "code":  # the code reward's feedback, computed here (a sandbox run per line would be slow)
+        feedback = func_feedback(wrong_attempt(solution, answer, rng), answer)
+    else:
+        check = {"math": check_math, "exact": check_exact}[kind]
+        feedback = check(wrong_attempt(solution, answer, rng), answer)[1]
     return REPROMPT.format(prompt=question, solution="", feedback=FEEDBACK.format(feedback=feedback))
+
+
+def func_feedback(response, answer):
+    """check_code's feedback on a wrong func answer: its first wrong hidden point (tests/test_toy_data
+    checks that the sandboxed checker says the same)."""
+    expr = response[len("<answer>"):-len("</answer>")]
+    for t in json.loads(answer)["tests"]:
+        got = func_value(expr, int(t["input"]))
+        if str(got) != t["output"]:
+            return f"f({t['input']}) gave {got}, expected {t['output']}."
+    return None
 
 
 def build_char_tokenizer():
@@ -179,9 +217,15 @@ if __name__ == "__main__":
     with open(path + ".tmp", "w") as f:
         f.writelines(json.dumps(line) + "\n" for line in context)
     os.replace(path + ".tmp", path)
+    code_context = [line for domain in CODE_DOMAINS for line in write_domain(domain, seed=1337, out_root=HERE)]
+    os.makedirs(os.path.join(HERE, "context_code"), exist_ok=True)
+    path = os.path.join(HERE, "context_code", "train.jsonl")
+    with open(path + ".tmp", "w") as f:
+        f.writelines(json.dumps(line) + "\n" for line in code_context)
+    os.replace(path + ".tmp", path)
     tokenizer = build_char_tokenizer()
     tokenizer.save_pretrained(os.path.join(HERE, "tokenizer"))
-    counts = ", ".join(f"{d} {N_TRAIN[d]}" for d in DOMAINS)
+    counts = ", ".join(f"{d} {N_TRAIN[d]}" for d in DOMAINS + CODE_DOMAINS)
     print(f"wrote train ({counts}) and test ({N_TEST} each) sets, {len(context)} teacher-context "
-          f"training lines in context/train.jsonl "
+          f"training lines in context/train.jsonl ({len(code_context)} for the code domain in context_code/) "
           f"and a {len(tokenizer)}-token character tokenizer to {HERE}")
