@@ -366,8 +366,8 @@ def check_state(state, path):
 
 
 def check_same_run(state, world, data):
-    """What else makes a resumed run the same run: as many ranks (each has its own sampling RNG in
-    the checkpoint), and the same data files (size and sha256, recorded at every save)."""
+    """Besides its config (check_resume), a resumed run is the same run with as many ranks (each has
+    its own sampling RNG in the checkpoint) and the same data files (size and sha256, at every save)."""
     if state["world"] != world:
         raise UserError(f"init_from=resume: the checkpoint was written by {state['world']} rank(s), this run has {world}: "
                         f"resume with {state['world']} (each rank's sampling state is in the checkpoint)")
@@ -376,6 +376,15 @@ def check_same_run(state, world, data):
             raise UserError(f"init_from=resume: {key} in data_dir is not the file this run trained on (size "
                             f"{state['data'][key].get('size')} -> {data[key]['size']} bytes, another sha256): point "
                             "--data_dir at the run's data, or start a new out_dir")
+
+
+def kept_eval_sets(matrix, eval_names, say):
+    """A resumed run scores the eval sets its accuracy matrix has: a stage added on resume (whose
+    set joins the default eval sets) adds no column, which would make the matrix's rows ragged."""
+    if eval_names != matrix["eval_sets"]:
+        say(f"note: {', '.join(n for n in eval_names if n not in matrix['eval_sets'])} is not scored: a resumed run "
+            f"keeps its accuracy matrix's eval sets ({', '.join(matrix['eval_sets'])})")
+    return matrix["eval_sets"]
 
 
 def fingerprints(data_dir, names_and_splits):

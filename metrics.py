@@ -172,13 +172,14 @@ def eval_problems(row, lengths, best):
     return out
 
 
-def check_eval(guard, row, lengths, *, patience, stop):
+def check_eval(guard, row, lengths, cfg):
     """One eval through the guard: True when healthy (the checkpoint that follows becomes ckpt_good).
-    After `patience` unhealthy evals in a row it raises Collapse (with stop; else it only counts)."""
+    After cfg's collapse_patience unhealthy evals in a row it raises Collapse (with stop_on_collapse;
+    else it only counts)."""
     problems = eval_problems(row, lengths, guard.best)
     guard.best.update({name: max(guard.best.get(name, 0.0), acc) for name, acc in row.items()})
     guard.bad_evals = guard.bad_evals + 1 if problems else 0
-    if stop and guard.bad_evals >= patience:
+    if cfg["stop_on_collapse"] and guard.bad_evals >= cfg["collapse_patience"]:
         raise Collapse(f"{'; '.join(problems)} ({guard.bad_evals} evals in a row)")
     return not problems
 

@@ -1277,9 +1277,9 @@ def setup(cfg, ddp, stack):
     wandb = require("wandb", "wandb_log=True") if cfg["wandb_log"] and ddp.master else None  # optional packages
     if cfg["math_checker"] == "math_verify":
         require("math_verify", "math_checker=math_verify", "math-verify")
-    data_files = checkpoint.fingerprints(cfg["data_dir"], [(n, "train") for n in train_tasks] +
-                                         [(n, "test") for n in eval_tasks])  # a resumed run checks its data
-    state = {"iter": 0, "stage": 0, "stage_iter": 0, "accuracy_matrix": None, "base_init": cfg["init_from"]}
+    data = checkpoint.fingerprints(cfg["data_dir"], [(n, "train") for n in train_tasks] + [(n, "test") for n in eval_tasks])
+    state = {"iter": 0, "stage": 0, "stage_iter": 0, "accuracy_matrix": None, "base_init": cfg["init_from"],
+             "world": ddp.world, "data": data}  # the last two: what a resumed run checks it runs on
     guard = None  # the collapse guard's memory: a fresh run's starts at its first eval (train_loop)
     log = metrics.RunLog(out_dir, cfg["log_jsonl"], None, ddp.master)
     random.seed(cfg["seed"])
@@ -1293,17 +1293,13 @@ def setup(cfg, ddp, stack):
     ddp.barrier()
     if resume:
         saved = checkpoint.read_state(ckpt_dir)  # a damaged or foreign state.json is one line, before any change
-        checkpoint.check_same_run(saved, ddp.world, data_files)
+        checkpoint.check_same_run(saved, ddp.world, data)
         state.update({k: v for k, v in saved.items() if k not in ("param_groups", "guard", "world", "data")})
         guard = metrics.Guard(**saved["guard"])
         checkpoint.check_resume(saved["config"], cfg, parse_stages(saved["config"]["stages"], saved["config"]["dataset"],
                                 saved["config"]["max_iters"]), stages, state)
-        if state["accuracy_matrix"]["eval_sets"] != eval_names:  # a stage added on resume: its set is not a column
-            added = [n for n in eval_names if n not in state["accuracy_matrix"]["eval_sets"]]
-            eval_names = state["accuracy_matrix"]["eval_sets"]
-            eval_tasks = {n: eval_tasks[n] for n in eval_names}
-            log.say(f"note: the accuracy matrix keeps this run's eval sets ({', '.join(eval_names)}); {', '.join(added)} "
-                    "is not scored (give eval_sets in a new run to measure every set)")
+        eval_names = checkpoint.kept_eval_sets(state["accuracy_matrix"], eval_names, log.say)
+        eval_tasks = {n: eval_tasks[n] for n in eval_names}
         model, tokenizer = load_model(ckpt_dir, dev, scratch=cfg)
         eval_demos = fit_prompts(train_tasks, eval_tasks, model, tokenizer, cfg, log)
     if not has_chat_template(tokenizer):
@@ -1339,7 +1335,7 @@ def setup(cfg, ddp, stack):
     if wandb:
         log.wandb = wandb.init(project=cfg["wandb_project"], name=cfg["wandb_run_name"], config=cfg)
     return dict(stages=stages, eval_names=eval_names, train_tasks=train_tasks, eval_tasks=eval_tasks, eval_demos=eval_demos,
-                log=log, ckpt_dir=ckpt_dir, state=state, guard=guard, data_files=data_files, model=model, tokenizer=tokenizer,
+                log=log, ckpt_dir=ckpt_dir, state=state, guard=guard, model=model, tokenizer=tokenizer,
                 initial_model=initial_model, teacher_model=teacher_model, optimizer=optimizer, generator=generator,
                 data_rng=data_rng)
 
@@ -1361,10 +1357,9 @@ def fit_prompts(train_tasks, eval_tasks, model, tokenizer, cfg, log):
 
 
 def run_eval(run, cfg, ddp, tag):
-    """Score every eval set (tasks sharded over ranks), log one record with a key per set
-    (eval/<set>/mean@n, so wandb keeps every curve), and return {set: mean@n} and {set: mean response
-    length} (what the collapse guard judges). An SDPO run also
-    scores its teacher reading each prompt with the reference solution as the demonstration
+    """Score every eval set (tasks sharded over ranks), log one record with a key per set (eval/<set>/
+    mean@n, so wandb keeps every curve), and return {set: mean@n}, {set: mean response length}. An SDPO
+    run also scores its teacher reading each prompt with the reference solution as the demonstration
     (eval/<set>/teacher_mean@n): it shows when the teacher stops being better than the student."""
     state, n = run["state"], cfg["eval_n"]
     teacher = {"ema": run["teacher_model"], "frozen": run["teacher_model"], "live": run["model"]}.get(cfg["teacher"])
@@ -1417,8 +1412,7 @@ def save_checkpoint(run, cfg, ddp, passed=None):
         state["data_rng"] = run["data_rng"].getstate()
         checkpoint.save(run["ckpt_dir"], model=model, tokenizer=run["tokenizer"], optimizer=run["optimizer"],
                         teacher_model=run["teacher_model"], save_dtype=cfg["save_dtype"],
-                        state={**state, "guard": asdict(guard), "world": ddp.world, "data": run["data_files"],
-                               "config": cfg},
+                        state={**state, "guard": asdict(guard), "config": cfg},
                         rng_tensors={f"sampling.{r}": g for r, g in enumerate(rng_states)})
         if passed is not None:
             checkpoint.keep_as_good(run["ckpt_dir"], run["ckpt_dir"] + "_good")
@@ -1438,8 +1432,7 @@ def end_stage(run, cfg, ddp, stage, name):
     """A row of the accuracy matrix (every eval set), a model snapshot, a checkpoint."""
     state = run["state"]
     row, lengths = run_eval(run, cfg, ddp, f"end of stage {stage + 1}")
-    healthy = metrics.check_eval(run["guard"], row, lengths, patience=cfg["collapse_patience"],
-                                 stop=cfg["stop_on_collapse"])
+    passed = row if metrics.check_eval(run["guard"], row, lengths, cfg) else None  # may stop the run
     state["accuracy_matrix"]["stages"].append(name)
     state["accuracy_matrix"]["rows"].append([row[s] for s in run["eval_names"]])
     if ddp.master:
@@ -1448,7 +1441,7 @@ def end_stage(run, cfg, ddp, stage, name):
             snap = os.path.join(cfg["out_dir"], f"stage{stage + 1}_{name.replace('/', '_').replace('+', '_')}")
             checkpoint.save_snapshot(snap, run["ckpt_dir"], run["model"], run["tokenizer"])
     state["stage"], state["stage_iter"] = stage + 1, 0
-    save_checkpoint(run, cfg, ddp, passed=row if healthy else None)
+    save_checkpoint(run, cfg, ddp, passed=passed)
 
 
 def main(cfg):
@@ -1461,8 +1454,7 @@ def main(cfg):
         try:
             train_loop(run, cfg, ddp)
         except Collapse as e:
-            good = run["guard"].good
-            raise UserError(metrics.collapse_message(run["ckpt_dir"], run["state"]["iter"], good, e)) from None
+            raise UserError(metrics.collapse_message(run["ckpt_dir"], run["state"]["iter"], run["guard"].good, e)) from None
     run["log"].say(f"done: {run['state']['iter']} iterations; model in {run['ckpt_dir']}")
     if ddp.world > 1:
         dist.destroy_process_group()
@@ -1531,9 +1523,7 @@ def train_loop(run, cfg, ddp):
             if eval_due:
                 run["log"].samples(metrics.sample_rows(batch, my_tasks, cfg["group_size"], decode, state["iter"]))
                 row, lengths = run_eval(run, cfg, ddp, "periodic")
-                if metrics.check_eval(run["guard"], row, lengths, patience=cfg["collapse_patience"],
-                                      stop=cfg["stop_on_collapse"]):
-                    passed = row
+                passed = row if metrics.check_eval(run["guard"], row, lengths, cfg) else None  # may stop the run
             if (eval_due and not cfg["save_interval"]) or (
                     cfg["save_interval"] and state["iter"] % cfg["save_interval"] == 0 and not last):
                 save_checkpoint(run, cfg, ddp, passed=passed)

@@ -180,20 +180,22 @@ def test_a_run_whose_guard_never_passed_keeps_its_initial_model_as_good(toy_data
 
 
 def test_the_guard_judges_every_set_against_its_own_best():
+    patience1, patience2 = ({"collapse_patience": p, "stop_on_collapse": True} for p in (1, 2))
+    off = {"collapse_patience": 1, "stop_on_collapse": False}
     guard = metrics.Guard(best={"a": 0.4, "b": 0.5})
     long = {"a": 5.0, "b": 5.0}
-    assert metrics.check_eval(guard, {"a": 0.3, "b": 0.5}, long, patience=2, stop=True)  # 0.3 >= half of 0.4
-    assert not metrics.check_eval(guard, {"a": 0.4, "b": 0.2}, long, patience=2, stop=True)  # b below half: one bad eval
+    assert metrics.check_eval(guard, {"a": 0.3, "b": 0.5}, long, patience2)  # 0.3 >= half of 0.4
+    assert not metrics.check_eval(guard, {"a": 0.4, "b": 0.2}, long, patience2)  # b below half: one bad eval
     with pytest.raises(metrics.Collapse, match=r"b fell to 0.000 from its best 0.500 \(2 evals in a row\)"):
-        metrics.check_eval(guard, {"a": 0.4, "b": 0.0}, long, patience=2, stop=True)
+        metrics.check_eval(guard, {"a": 0.4, "b": 0.0}, long, patience2)
     never = metrics.Guard(best={"a": 0.0})
     for _ in range(3):  # zero from the start (a scratch model) is not a collapse: nothing was lost
-        assert metrics.check_eval(never, {"a": 0.0}, {"a": 5.0}, patience=1, stop=True)
+        assert metrics.check_eval(never, {"a": 0.0}, {"a": 5.0}, patience1)
     empty = metrics.Guard(best={})
-    assert not metrics.check_eval(empty, {"a": 0.3}, {"a": 1.0}, patience=2, stop=True)  # accurate but empty: counts
-    assert metrics.check_eval(empty, {"a": 0.3}, {"a": 9.0}, patience=2, stop=True) and empty.bad_evals == 0  # recovered
+    assert not metrics.check_eval(empty, {"a": 0.3}, {"a": 1.0}, patience2)  # accurate but empty: counts
+    assert metrics.check_eval(empty, {"a": 0.3}, {"a": 9.0}, patience2) and empty.bad_evals == 0  # recovered
     for _ in range(3):  # stop_on_collapse=False: counted, never raised
-        assert not metrics.check_eval(empty, {"a": 0.3}, {"a": 1.0}, patience=1, stop=False)
+        assert not metrics.check_eval(empty, {"a": 0.3}, {"a": 1.0}, off)
     assert empty.bad_evals == 3 and empty.best == {"a": 0.3}
 
 
