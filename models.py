@@ -472,10 +472,11 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
                    "vocab.txt", "sentencepiece.bpe.model")
 
 
-def load_model(init, dev, dtype=torch.float32, scratch=None):
+def load_model(init, dev, dtype=torch.float32, scratch=None, with_tokenizer=True):
     """(model, tokenizer) from an HF folder or hub id, or, for init='scratch', a small Qwen2-shaped
     model built from `scratch` (tokenizer_path, seed, n_layer, n_head, n_embd, block_size).
-    Checked with check_model; every failure is a ModelError with one line."""
+    Checked with check_model; every failure is a ModelError with one line. with_tokenizer=False:
+    only the weights are wanted (teacher_init, the initial model), and the tokenizer is None."""
     if init == "scratch":
         if not scratch:
             raise ModelError("init_from=scratch builds a toy model from train.py's settings: give a checkpoint folder or hub id")
@@ -497,17 +498,17 @@ def load_model(init, dev, dtype=torch.float32, scratch=None):
         if not os.path.isdir(init) and init.count("/") != 1:
             raise ModelError(f"model {init} not found: no such folder, and not a hub id like Qwen/Qwen3-8B "
                              "(for the toy base: python train.py config/toy_base.py)")
-        if os.path.isdir(init) and not any(os.path.exists(os.path.join(init, f)) for f in TOKENIZER_FILES):
+        if with_tokenizer and os.path.isdir(init) and not any(os.path.exists(os.path.join(init, f)) for f in TOKENIZER_FILES):
             raise ModelError(f"{init} has no tokenizer files ({', '.join(TOKENIZER_FILES[:3])}, ...): copy them from the "
                              "model it was trained from (tokenizer.save_pretrained) into the folder")
         try:
-            tokenizer = AutoTokenizer.from_pretrained(init)
+            tokenizer = AutoTokenizer.from_pretrained(init) if with_tokenizer else None
             model = AutoModelForCausalLM.from_pretrained(init, dtype=dtype)
         except Exception as e:  # not on the hub, no network, a damaged file, an unknown architecture, ...
             raise ModelError(f"cannot load model {init!r}: {(str(e).strip().splitlines() or [type(e).__name__])[0]}") from None
-        if len(tokenizer) < 2:  # what transformers builds, without a word, from files that hold no vocabulary
+        if tokenizer is not None and len(tokenizer) < 2:  # what transformers builds, without a word, from no vocabulary
             raise ModelError(f"{init}'s tokenizer has {len(tokenizer)} token(s): its tokenizer files are missing or empty")
-    if tokenizer.pad_token_id is None:
+    if tokenizer is not None and tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     model = model.to(dev, dtype)
     check_model(model)

@@ -33,10 +33,11 @@ def read_prompts(prompt, prompt_file, system):
     each checked as train.py checks its data (kind, messages, answer)."""
     sys_msg = [{"role": "system", "content": system}] if system else []
     if not prompt_file:
-        return [{"messages": sys_msg + [{"role": "user", "content": prompt}]}]
+        return [{"id": "--prompt", "messages": sys_msg + [{"role": "user", "content": prompt}]}]
     if prompt_file.endswith(".jsonl"):
         return task_files.read_jsonl(prompt_file, kinds=train.REWARD_FNS)
-    return [{"messages": sys_msg + [{"role": "user", "content": line}]} for _, line in task_files.read_lines(prompt_file)]
+    return [{"id": f"line {lineno}", "messages": sys_msg + [{"role": "user", "content": line}]}
+            for lineno, line in task_files.read_lines(prompt_file)]
 
 
 def main(cfg):

@@ -1319,7 +1319,8 @@ def setup(cfg, ddp, stack):
         teacher_model = frozen_copy(initial_model if initial_model is not None else model)
         if cfg["teacher_init"] and not resume:
             # θ_T ← (1 − a)·θ_T + a·θ_init: the EMA update's formula, applied once
-            ema_update(teacher_model, load_model(cfg["teacher_init"], dev, scratch=cfg)[0], cfg["teacher_init_alpha"])
+            ema_update(teacher_model, load_model(cfg["teacher_init"], dev, scratch=cfg, with_tokenizer=False)[0],
+                       cfg["teacher_init_alpha"])
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg["learning_rate"], betas=(cfg["beta1"], cfg["beta2"]),
                                   weight_decay=cfg["weight_decay"])
     generator = make_generator(cfg["seed"] + ddp.rank, dev)  # sampling and density masks, per rank

@@ -1,6 +1,6 @@
 """
 The task files: data_dir/<name>/{train,test}.jsonl, one task a line, written by data/<name>/prepare.py
-and read (every record checked up front) by train.py:
+and read (every record checked up front) by train.py, eval.py and sample.py:
 
     {"id": str, "domain": str, "kind": "math" | "mcq" | "tool" | "exact" | "code", "answer": str,
      "messages": [{"role": "system" | "user" | "assistant", "content": str}, ...], "solution": str (optional)}
@@ -8,8 +8,13 @@ and read (every record checked up front) by train.py:
 `messages` is the prompt (an optional system turn, then the user turn; earlier user / assistant
 turns are few-shot examples); `kind` picks the answer checker (data/checkers.py) and the answer's
 shape (checkers.answer_problem: an mcq letter, a tool call list); `solution` is the reference
+<<<<<<< HEAD
 response that SFT trains on. A "code" answer is a JSON object of unit tests (its schema:
 data/checkers.py's code section), checked at load. Standard library only.
+=======
+response that SFT trains on. Relative paths are looked for from the working directory, then under
+the repository. Standard library only.
+>>>>>>> input
 """
 import hashlib
 import json
@@ -55,8 +60,9 @@ def load(name, split, data_dir="data", kinds=(), need_solution=False):
 
 
 def read_lines(path):
-    """[(lineno, text)] of a UTF-8 text file's non-blank lines; a directory, an unreadable file or
-    bytes that are not UTF-8 are one line."""
+    """[(lineno, text)] of a UTF-8 text file's non-blank lines (a relative path is also looked for
+    under the repository); a directory, an unreadable file or bytes that are not UTF-8 are one line."""
+    path = resolve(path)
     if os.path.isdir(path):
         raise UserError(f"{path} is a directory, not a file")
     try:

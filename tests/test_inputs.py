@@ -284,3 +284,13 @@ def test_ranks_reading_different_data_stop_in_one_line(toy_data, tmp_path):
     assert proc.returncode != 0
     assert "error: the task files under data_dir=" in proc.stderr and "differ between ranks (rank 0 and rank 1)" in proc.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_a_weights_only_folder_still_serves_where_no_tokenizer_is_needed(tiny_model, tmp_path):
+    """teacher_init reads only the weights: a folder without tokenizer files is fine there."""
+    folder = tmp_path / "weights_only"
+    folder.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(tiny_model / name, folder / name)
+    model, tokenizer = models.load_model(str(folder), CPU, with_tokenizer=False)
+    assert tokenizer is None and models.context_length(model) == 128
