@@ -127,10 +127,12 @@ def stuck_warnings(record, counts, algo):
     return out
 
 
-def sample_rows(batch, tasks, group_size, decode, iteration, k=4):
-    """A few rollouts of a training batch: what the policy writes, and what its teacher reads."""
-    rows = []
-    for i in range(min(k, len(batch.texts or []))):
+def sample_rows(batch, tasks, group_size, decode, iteration, k=4, per_group=2):
+    """A few rollouts of a training batch, per_group from each of its first k groups (prompts): what
+    the policy writes, and what its teacher reads."""
+    rows, n = [], len(batch.texts or [])
+    picked = [g * group_size + j for g in range(min(k, -(-n // group_size))) for j in range(min(per_group, group_size))]
+    for i in (i for i in picked if i < n):
         teacher = batch.teacher_prompt_ids[i] if batch.teacher_prompt_ids else None
         rows.append({"iter": iteration, "prompt": decode(batch.prompt_ids[i]), "response": batch.texts[i],
                      "reward": batch.rewards[i], "answer": tasks[i // group_size]["answer"],

@@ -124,9 +124,11 @@ def autocast_dtype(dev):
     return torch.get_autocast_dtype(dev.type) if torch.is_autocast_enabled(dev.type) else None
 
 
-def new_cache(dev):
-    """An empty dynamic KV cache storing in the current autocast dtype (see _StoresInOneDtype)."""
-    cache = KVCache()
+def new_cache(model, dev):
+    """An empty dynamic KV cache for model, storing in the current autocast dtype (_StoresInOneDtype).
+    Built from the model's config, as its own generate does: the config names the layer kinds
+    (sliding-window, sparse-attention indexers, ...) that a plain DynamicCache gets wrong."""
+    cache = KVCache(config=model.config)
     cache.kv_dtype = autocast_dtype(dev)
     return cache
 
@@ -176,13 +178,16 @@ class StepMemory:
 
 
 def static_decoding(model, prefill_cache, mask, max_new_tokens):
-    """Move a prefilled KV cache into a StaticCache; return (cache, attention mask, step).
+    """Move a prefilled KV cache into a StaticCache; return (cache, attention mask, step), or None
+    for a model with sliding-window layers (their prefill cache holds only the window).
 
     The cache length is bucketed, and the live cache is reused while the rows match and it is long
     enough (lengths only grow), so a run allocates and compiles a handful of shapes, and at most one
     cache is alive at a time. The mask covers the whole cache (the causal mask hides the unwritten
     positions, and the ones past a short batch's end are never reached): one shape for every step."""
     rows, width = mask.shape
+    if any(getattr(layer, "is_sliding", False) for layer in prefill_cache.layers):
+        return None  # a sliding-window prefill keeps only the window: decode on the dynamic cache
     k = prefill_cache.layers[0].keys
     key = (rows, len(prefill_cache.layers), k.shape[1], k.shape[3], k.dtype, k.device)
     old = next(iter(_static_caches.items()), None)
@@ -270,7 +275,10 @@ def check_model(model):
         dev, vocab = head.weight.device, head.weight.shape[0]
         ids = ((torch.arange(8, device=dev) * 7919 + 11) % vocab)[None]
         mask = torch.ones_like(ids)
-        want = model(input_ids=ids, attention_mask=mask).logits.double()
+        try:
+            want = model(input_ids=ids, attention_mask=mask).logits.double()
+        except Exception as e:  # a model whose own forward fails here (an HF bug, an odd config): one line
+            raise ModelError(f"{name}: its forward fails on 8 tokens ({type(e).__name__}: {' '.join(str(e).split())[:200]})") from None
         raw = (body_forward(decoder_body(model), ids, mask) @ head.weight.T).double()
         scale = (want * raw).sum().item() / max((raw * raw).sum().item(), 1e-30)
         err = (want - scale * raw).abs().max().item()
@@ -287,7 +295,7 @@ def check_model(model):
         position = (p_mask.cumsum(-1) - 1).clamp(min=0)
         rest_position = p_mask.sum(-1)[which, None] + torch.arange(3, device=dev)[None]
         full_mask = torch.cat([p_mask[which], torch.ones_like(rest)], 1)
-        body, cache = decoder_body(model), DynamicCache()
+        body, cache = decoder_body(model), new_cache(model, dev)
         try:
             body_forward(body, prompt, p_mask, position, cache)
             cache.batch_select_indices(which)
@@ -299,6 +307,14 @@ def check_model(model):
         if (got - plain[:, 5:]).abs().max().item() > 1e-4 * (1 + plain.abs().max().item()):
             raise ModelError(f"{name}: a KV-cached continuation differs from a plain forward: recurrent and hybrid "
                              "models are not supported")
+        # left padding must not move positions: the padded row against the same tokens unpadded
+        # (a model that takes no position_ids and counts positions from the first column, as the
+        # BART-family decoders do, would shift them; ALiBi models follow the mask and pass)
+        unpadded = torch.cat([prompt[1:, 2:], rest[:1]], 1)  # plain's row 0 is prompt row 1 (2 pads) + rest row 0
+        alone = body_forward(body, unpadded, torch.ones_like(unpadded))
+        if (plain[0, 2:] - alone[0]).abs().max().item() > 1e-4 * (1 + alone.abs().max().item()):
+            raise ModelError(f"{name}: a left-padded row differs from the same tokens unpadded (padding moves its "
+                             "positions, or its attention ignores the mask): nanoSDPO's batched rollouts do not support it")
     finally:
         model.train(was_training)
 
@@ -347,7 +363,7 @@ def _shared_prompt_hidden(model, prompts, responses, dev):
     unique = {p: k for k, p in enumerate(dict.fromkeys(p for p, _ in keys))}
     pairs = {pr: k for k, pr in enumerate(dict.fromkeys(keys))}
     ids, mask = (t.to(dev) for t in pad_batch(list(unique), 0, left=True))
-    cache = new_cache(dev)
+    cache = new_cache(model, dev)
     last = body_forward(body, ids, mask, (mask.cumsum(-1) - 1).clamp(min=0), cache)[:, -1:]
     which = torch.tensor([unique[p] for p, _ in pairs], device=dev)
     hidden = last[which]  # [pairs, 1, H]: predicts each pair's first response token

@@ -374,7 +374,7 @@ def decode(model, prompts, *, group_size, max_new_tokens, temperature, top_p, eo
     eos = torch.as_tensor(eos_ids, device=dev)
     ids, mask = (t.to(dev) for t in pad_batch(prompts, pad_id, left=True))
     position = (mask.cumsum(-1) - 1).clamp(min=0) if takes_position_ids(model) else None
-    cache = new_cache(dev)  # keys and values in the autocast dtype
+    cache = new_cache(model, dev)  # keys and values in the autocast dtype
     logits = forward_with_cache(model, ids, mask, position, cache, logits_to_keep=1)
     cache.batch_repeat_interleave(group_size)
     logits = logits.repeat_interleave(group_size, 0)
@@ -382,9 +382,9 @@ def decode(model, prompts, *, group_size, max_new_tokens, temperature, top_p, eo
     if position is not None:
         position = position[:, -1:].repeat_interleave(group_size, 0)
     rows = logits.shape[0]
-    step = forward_with_cache
-    if static:
-        cache, mask, step = static_decoding(model, cache, mask, max_new_tokens)
+    step, fast = forward_with_cache, static and static_decoding(model, cache, mask, max_new_tokens)
+    if fast:  # None for sliding-window models
+        cache, mask, step = fast
     tokens, logps = [], []
     done = torch.zeros(rows, dtype=torch.bool, device=dev)
     for t in range(max_new_tokens):
@@ -395,7 +395,7 @@ def decode(model, prompts, *, group_size, max_new_tokens, temperature, top_p, eo
         done |= torch.isin(token, eos)
         if (t + 1) % stop_check == 0 and done.all():
             break
-        if not static:
+        if not fast:
             mask = torch.cat([mask, mask.new_ones(rows, 1)], dim=1)
         position = position + 1 if position is not None else None
         logits = step(model, token[:, None], mask, position, cache)
@@ -449,6 +449,12 @@ def teacher_prompt_text(question, peer, feedback, reprompt_template, solution_te
 
 def teacher_contexts(tasks, texts, rewards, feedbacks, group_size, cfg):
     """Per rollout row: the teacher's chat messages, or None when it has no signal."""
+    return [None if x is None else teacher_messages(tasks[i // group_size]["messages"], *x, cfg)
+            for i, x in enumerate(teacher_inputs(texts, rewards, feedbacks, group_size, cfg))]
+
+
+def teacher_inputs(texts, rewards, feedbacks, group_size, cfg):
+    """Per rollout row: (demonstration or None, feedback or None), or None when it has no signal."""
     out = []
     for i in range(len(texts)):
         j = pick_peer(rewards, group_size, i, cfg["success_threshold"], cfg["dont_reprompt_on_self_success"])
@@ -458,8 +464,7 @@ def teacher_contexts(tasks, texts, rewards, feedbacks, group_size, cfg):
         feedback = None
         if cfg["use_feedback"] and feedbacks[i] and not (cfg["feedback_only_without_solution"] and peer is not None):
             feedback = feedbacks[i]
-        out.append(None if peer is None and feedback is None else
-                   teacher_messages(tasks[i // group_size]["messages"], peer, feedback, cfg))
+        out.append(None if peer is None and feedback is None else (peer, feedback))
     return out
 
 
@@ -515,10 +520,11 @@ def build_batch(tasks, model, tokenizer, cfg, generator, dev, *, autocast=contex
     batch.teacher_prompt_ids, batch.distill_weight = [None] * len(lengths), [torch.zeros(n) for n in lengths]
     metrics = {}
     if cfg["algo"] == "sdpo":
-        contexts = teacher_contexts(tasks, batch.texts, batch.rewards, feedbacks, G, cfg)
+        inputs = teacher_inputs(batch.texts, batch.rewards, feedbacks, G, cfg)
         # the teacher reads its prompt and then the response: both must fit the model's context
         limit = min(cfg["max_reprompt_len"], (context_length(model) or math.inf) - cfg["max_new_tokens"])
-        batch.teacher_prompt_ids, cut = template_teacher_prompts(tokenizer, contexts, cfg, limit)
+        task_messages = [tasks[i // G]["messages"] for i in range(len(inputs))]
+        batch.teacher_prompt_ids, cut = template_teacher_prompts(tokenizer, task_messages, inputs, cfg, limit)
         masks = density_masks(lengths, cfg["density"], generator, cfg["density_select"])
         masks = [m if t is not None and k else torch.zeros_like(m) for m, t, k in zip(masks, batch.teacher_prompt_ids, kept)]
         n_distill = sum(int(m.sum()) for m in masks)
@@ -534,20 +540,39 @@ def build_batch(tasks, model, tokenizer, cfg, generator, dev, *, autocast=contex
     return batch, metrics
 
 
-def template_teacher_prompts(tokenizer, contexts, cfg, limit):
-    """Teacher chat messages -> token ids (None stays None), each distinct context templated once
-    (a group's rows mostly share one); longer than `limit`: keep the end. Returns (ids per row, how
-    many were cut)."""
-    templated, out, cut = {None: None}, [], 0
-    for ctx in contexts:
-        key = ctx and json.dumps(ctx)
+def template_teacher_prompts(tokenizer, messages, inputs, cfg, limit):
+    """Each row's task messages and teacher inputs (teacher_inputs) -> the teacher prompt's token
+    ids (None stays None), each distinct one templated once (a group's rows mostly share one).
+    Longer than `limit`: the demonstration is shortened to its end (where the answer is), keeping
+    the system turn, the question and the instruction; only a prompt that is too long without any
+    demonstration keeps its last `limit` tokens. Returns (ids per row, how many were shortened)."""
+    templated, out, cut = {}, [], 0
+    for msgs, x in zip(messages, inputs):
+        key = x and json.dumps([msgs, x])
         if key not in templated:
-            templated[key] = prompt_ids(tokenizer, ctx, cfg["enable_thinking"])
-        ids = templated[key]
-        if ids is not None and len(ids) > limit:
-            ids, cut = ids[-limit:], cut + 1
+            templated[key] = x and fit_teacher_prompt(tokenizer, msgs, *x, cfg, limit)
+        ids, shortened = templated[key] or (None, False)
         out.append(ids)
+        cut += shortened
     return out, cut
+
+
+def fit_teacher_prompt(tokenizer, messages, peer, feedback, cfg, limit):
+    """(token ids, shortened?) of one teacher prompt at most `limit` tokens long (template_teacher_prompts)."""
+    ids = prompt_ids(tokenizer, teacher_messages(messages, peer, feedback, cfg), cfg["enable_thinking"])
+    if len(ids) <= limit:
+        return ids, False
+    demo = tokenizer.encode(peer, add_special_tokens=False) if peer else []
+    keep = len(demo) - (len(ids) - limit)
+    for _ in range(4):  # re-tokenising the joined text can differ by a few tokens: shrink until it fits
+        if keep <= 0:
+            break
+        ids = prompt_ids(tokenizer, teacher_messages(messages, tokenizer.decode(demo[-keep:]), feedback, cfg),
+                         cfg["enable_thinking"])
+        if len(ids) <= limit:
+            return ids, True
+        keep -= len(ids) - limit
+    return ids[-limit:], True
 
 
 def distill_weights(masks, agg, scale, global_sum=list):

@@ -31,6 +31,15 @@ ARCHS = {
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(LLAMA, head_dim=16, final_logit_softcapping=0.5,
                                                          query_pre_attn_scalar=16), "final_logit_softcapping"),
     "phi": ("PhiConfig", "PhiForCausalLM", dict(LLAMA, num_key_value_heads=2), "bias"),
+    # sparse attention with an indexer: its cache layers need the config (refused as "recurrent" without it)
+    "deepseek_v32": ("DeepseekV32Config", "DeepseekV32ForCausalLM", dict(
+        LLAMA, num_key_value_heads=2, moe_intermediate_size=16, n_routed_experts=4, n_shared_experts=1,
+        num_experts_per_tok=2, n_group=1, topk_group=1, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8, v_head_dim=8,
+        qk_nope_head_dim=8, index_topk=64, index_head_dim=8, index_n_heads=2, first_k_dense_replace=1), 1.0),
+    # no position_ids, positions counted from the first column: left padding would shift them
+    "bart": ("BartConfig", "BartForCausalLM", dict(vocab_size=V, d_model=H, decoder_layers=2, decoder_attention_heads=2,
+                                                   decoder_ffn_dim=64, encoder_layers=2, encoder_attention_heads=2,
+                                                   encoder_ffn_dim=64, max_position_embeddings=64), "left-padded row"),
 }
 
 
@@ -149,3 +158,19 @@ def test_a_gpt2_with_dropout_samples_and_trains_one_policy(toy_data, tmp_path):
     assert record["tokens"] > 50
     assert abs(record["ratio_mean"] - 1) < 1e-5 and record["ratio_max"] < 1 + 1e-4, record
     assert record["kl_sampler"] < 1e-8, record
+
+
+def test_a_sliding_window_model_decodes_on_the_dynamic_cache_when_static_is_asked(monkeypatch):
+    """Built from the config, a sliding-window layer's prefill cache keeps only the window, which a
+    StaticCache cannot continue from: static=True then decodes on the dynamic cache, the same rows."""
+    real_compile = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, mode=None: real_compile(fn, backend="eager"))
+    monkeypatch.setattr(models, "_compiled_steps", {})
+    monkeypatch.setattr(models, "_static_caches", {})
+    model = build("mistral")
+    prompts = [[5, 6, 7, 8, 9, 10], [11, 12]]
+    runs = [train.generate(model, prompts, group_size=2, max_new_tokens=6, temperature=1.0, top_p=1.0, eos_ids=[2], pad_id=0,
+                           generator=torch.Generator().manual_seed(0), static=static) for static in (False, True)]
+    assert runs[1].response_ids == runs[0].response_ids and not models._static_caches
+    cache = models.new_cache(model, torch.device("cpu"))
+    assert all(layer.is_sliding for layer in cache.layers)  # the config's layer kinds

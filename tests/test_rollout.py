@@ -149,7 +149,7 @@ def test_under_autocast_every_kv_cache_is_in_the_autocast_dtype(monkeypatch, det
     (static_cache,) = models._static_caches.values()
     assert {t.dtype for layer in static_cache.layers for t in (layer.keys, layer.values)} == {torch.bfloat16}
     made, real = [], models.new_cache
-    monkeypatch.setattr(models, "new_cache", lambda dev: made.append(real(dev)) or made[-1])
+    monkeypatch.setattr(models, "new_cache", lambda model, dev: made.append(real(model, dev)) or made[-1])
     monkeypatch.setattr(train, "new_cache", models.new_cache)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         train.generate(model, prompts, group_size=2, max_new_tokens=4, temperature=1.0, top_p=1.0, eos_ids=[2], pad_id=0,
@@ -158,7 +158,7 @@ def test_under_autocast_every_kv_cache_is_in_the_autocast_dtype(monkeypatch, det
     assert len(made) == 2  # the rollout's and the teacher's
     assert {t.dtype for cache in made for layer in cache.layers for t in (layer.keys, layer.values)} == {torch.bfloat16}
     with torch.no_grad():  # outside autocast the cache keeps the model's own dtype
-        cache = models.new_cache(torch.device("cpu"))
+        cache = models.new_cache(model, torch.device("cpu"))
         models.forward_with_cache(model, torch.tensor([[1, 4]]), torch.ones(1, 2, dtype=torch.long), None, cache)
     assert cache.layers[0].keys.dtype == cache.layers[0].values.dtype == torch.float32
 
@@ -286,3 +286,36 @@ def test_ema_update_math():
     train.ema_update(a, b, 0.25)
     for p0, p, q in zip(before, a.parameters(), b.parameters()):
         torch.testing.assert_close(p, 0.75 * p0 + 0.25 * q)
+
+
+def test_a_teacher_prompt_over_max_reprompt_len_keeps_the_system_turn_and_the_question(toy_data):
+    """Cutting an over-long teacher prompt from the left dropped the system turn and the question;
+    the demonstration is shortened instead (to its end, where the answer is)."""
+    import os
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(os.path.join(toy_data, "toy", "tokenizer"))
+    cfg = defaults()
+    messages = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "12+30"}]
+    peer = "step " * 60 + "\\boxed{42}"
+    full = models.prompt_ids(tok, train.teacher_messages(messages, peer, None, cfg))
+    limit = len(full) - 40
+    (ids, short), cut = train.template_teacher_prompts(tok, [messages, messages], [(peer, None), None], cfg, limit)
+    assert cut == 1 and short is None and len(ids) <= limit
+    text = tok.decode(ids)
+    assert text.startswith(tok.decode(full[:8])) and "Answer briefly." in text and "12+30" in text
+    assert text.endswith(tok.decode(full[-12:])) and "\\boxed{42}" in text  # the instruction and the answer stay
+    (same, _), cut = train.template_teacher_prompts(tok, [messages] * 2, [(peer, None)] * 2, cfg, len(full))
+    assert cut == 0 and same == full
+
+
+def test_samples_jsonl_rows_come_from_several_groups():
+    import metrics
+    G, prompts = 3, 5
+    batch = train.Batch(prompt_ids=[[i // G] for i in range(G * prompts)], response_ids=[[1]] * (G * prompts),
+                        old_logprobs=[None] * (G * prompts), truncated=[False] * (G * prompts),
+                        texts=[f"r{i}" for i in range(G * prompts)], rewards=[0.0] * (G * prompts),
+                        teacher_prompt_ids=[None] * (G * prompts))
+    tasks = [{"answer": str(p)} for p in range(prompts)]
+    rows = metrics.sample_rows(batch, tasks, G, lambda ids: str(ids), iteration=7)
+    assert [r["response"] for r in rows] == ["r0", "r1", "r3", "r4", "r6", "r7", "r9", "r10"]
+    assert {r["answer"] for r in rows} == {"0", "1", "2", "3"}  # four prompts, not only the first
