@@ -277,13 +277,20 @@ def _stop(proc):
 
 
 def _note_isolation(layers):
-    if not _isolation:
-        _isolation[:] = layers
-        if "uid" not in layers and "chroot" not in layers and not _warned:
-            _warned.append(1)
-            print(f"warning: the code sandbox runs programs with only {', '.join(layers) or 'rlimits'} on this "
-                  "machine (not root, no user namespaces): they can read and write what this user can; set "
-                  "data.sandbox.WRAPPER to a stronger runner (see data/sandbox.py)", file=sys.stderr)
+    """Record the layers the harness got; say once, on stderr, what is missing."""
+    if _isolation:
+        return
+    _isolation[:] = layers
+    missing = [what for what, present in (
+        ("a uid of their own (they run as this user: they can read and write what it can, and signal it)",
+         "uid" in layers),
+        ("a chroot (world-readable files, e.g. the trainer's, are readable)", "chroot" in layers),
+        ("a network namespace (they can reach the network)", "namespaces" in layers or "netns" in layers)) if not present]
+    if missing and not _warned:
+        _warned.append(1)
+        print(f"warning: the code sandbox has no {'; no '.join(missing)} on this machine (it gets: "
+              f"{', '.join(layers)}); run as root, or set data.sandbox.WRAPPER to a stronger runner "
+              "(see data/sandbox.py)", file=sys.stderr)
 
 
 class _LineReader:

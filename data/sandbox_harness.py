@@ -115,8 +115,8 @@ def _enter(header, layers):
         os.chroot(root)
         os.chdir("/work")
     mb = 1 << 20
-    for res, value in ((resource.RLIMIT_AS, lim["memory_mb"] * mb), (resource.RLIMIT_NOFILE, lim["nofile"]), (resource.RLIMIT_CORE, 0),
-                       (resource.RLIMIT_NPROC, lim["nproc"])):
+    for res, value in ((resource.RLIMIT_AS, lim["memory_mb"] * mb), (resource.RLIMIT_NOFILE, lim["nofile"]),
+                       (resource.RLIMIT_CORE, 0), (resource.RLIMIT_NPROC, lim["nproc"])):
         resource.setrlimit(res, (value, value))
     if header["drop_root"]:
         uid = header["uid"]
