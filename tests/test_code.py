@@ -491,3 +491,16 @@ def test_the_lesser_isolation_modes_still_run_and_judge_programs(mode):
             listener.listen(1)
             probe = f"import socket\nsocket.create_connection(('127.0.0.1', {listener.getsockname()[1]}), timeout=1)"
             assert sandbox.run(probe, [sandbox.Case()], limits)[0].status == "error"
+
+
+def test_a_machine_without_namespaces_or_root_is_warned_about_once(monkeypatch, capsys):
+    monkeypatch.setattr(sandbox, "_isolation", [])
+    monkeypatch.setattr(sandbox, "_warned", [])
+    sandbox._note_isolation(["rlimits"])
+    sandbox._note_isolation(["rlimits"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "uid of their own" in err[0] and "chroot" in err[0] and "network" in err[0]
+    monkeypatch.setattr(sandbox, "_isolation", [])
+    monkeypatch.setattr(sandbox, "_warned", [])
+    sandbox._note_isolation(["namespaces", "chroot", "uid", "rlimits"])
+    assert capsys.readouterr().err == ""
