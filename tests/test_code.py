@@ -329,6 +329,36 @@ def test_hostile_recursion_to_the_limit_fails_without_taking_the_trainer_down():
     assert score == 0.0 and any(w in feedback for w in ("killed", "Error", "timed out"))
 
 
+
+@needs_uid
+def test_hostile_privilege_and_chroot_escapes_are_refused():
+    program = """
+import ctypes, os
+refused = 0
+for attempt in (lambda: os.setuid(0), lambda: os.chroot('/tmp'), lambda: os.mkdir('/usr/x'),
+                lambda: open('/usr/bin/env', 'a'), lambda: open('/dev/sda', 'rb')):
+    try:
+        attempt()
+    except OSError:
+        refused += 1
+libc = ctypes.CDLL(None, use_errno=True)
+refused += libc.unshare(0x10000000 | 0x00020000) != 0  # a user + mount namespace: capabilities again
+refused += libc.unshare(0x10000000) != 0
+refused += libc.mount(b"tmpfs", b"/work", b"tmpfs", 0, None) != 0
+print('contained' if refused == 8 else 'escaped')
+"""
+    assert hostile(program)[0] == 0.0
+    out = sandbox.run(program, [sandbox.Case()])[0].stdout
+    assert out == "contained\n"
+
+
+@needs_chroot
+def test_hostile_disk_filling_stops_at_the_sandbox_tmpfs():
+    program = ("data = b'x' * (1 << 20)\nfor i in range(200):\n    with open(f'f{i}', 'wb') as f:\n"
+               "        for _ in range(3):\n            f.write(data)\nprint('escaped')")
+    score, feedback = hostile(program, timeout=20)
+    assert score == 0.0 and "No space left on device" in feedback
+
 # --- real test sets ------------------------------------------------------------------------------
 
 def test_humaneval_reference_solutions_all_pass_and_shifted_ones_fail(tmp_path):
