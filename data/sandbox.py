@@ -31,8 +31,8 @@ What the harness does before running anything, as far as the OS lets it (`isolat
   rlimits     always: CPU seconds, address space, file size (stdout/stderr and any file written),
               process count, open files, no core dumps; plus the wall-clock timeout per case and a
               SIGKILL of the case's whole tree (kill(-1) inside the sandbox's PID namespace / uid).
-  always      a fresh temp working directory, stdin from an anonymous file, bounded output capture, killpg of
-              the session and removal of the temp directory afterwards.
+  always      a fresh temp working directory, stdin from an anonymous file (memfd), bounded output
+              capture, killpg of the session and removal of the temp directory afterwards.
 Without root (a normal user account) the harness can only try an unprivileged user + network
 namespace (no network) and otherwise runs with rlimits, a temp cwd and a scrubbed environment: the
 program then runs as your user and CAN read and write whatever you can. `isolation()` reports it and
