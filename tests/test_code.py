@@ -148,10 +148,11 @@ def test_the_sandbox_states_its_isolation():
 
 # --- hostile programs: reward 0, a bounded time, nothing outside touched, the trainer alive -------
 
-needs_chroot = pytest.mark.skipif("chroot" not in sandbox.isolation(),
+# conditions as strings: evaluated when a marked test runs, not at import (isolation() runs a sandbox)
+needs_chroot = pytest.mark.skipif("'chroot' not in sandbox.isolation()",
                                   reason="no chroot here (not root): the sandbox cannot hide the trainer's files; "
                                          "see data/sandbox.py for a stronger runner")
-needs_uid = pytest.mark.skipif("uid" not in sandbox.isolation(),
+needs_uid = pytest.mark.skipif("'uid' not in sandbox.isolation()",
                                reason="not root: programs run as this user (no uid of their own, no RLIMIT_NPROC)")
 
 
