@@ -316,10 +316,9 @@ print('escaped' if ok else 'contained')
 def test_hostile_os_exit_before_printing_and_threads_that_outlive_main_do_not_pass():
     assert hostile("import os\nos._exit(0)\nprint('escaped')")[0] == 0.0
     # a non-daemon thread would print the answer after main returns: the run ends with main
+    # (were the run to wait for it, the thread would print the answer well within the 10 s timeout)
     program = "import threading, time\nthreading.Thread(target=lambda: (time.sleep(1.5), print('escaped'))).start()"
-    t0 = time.monotonic()
     assert hostile(program, timeout=10)[0] == 0.0
-    assert time.monotonic() - t0 < 10
 
 
 def test_hostile_recursion_to_the_limit_fails_without_taking_the_trainer_down():
