@@ -924,7 +924,8 @@ def _close_token(a, b):
 
 def same_output(got, expected):
     """stdout against the expected output: line by line, ignoring surrounding whitespace and trailing
-    blank lines; numbers within 1e-6 (relative above 1) compare equal."""
+    blank lines; numbers within 1e-6 (relative above 1) compare equal (LiveCodeBench's grader compares
+    decimals exactly: a float printed with other rounding can pass here and fail there)."""
     a, b = got.strip().splitlines(), expected.strip().splitlines()
     if len(a) != len(b):
         return False

@@ -20,17 +20,19 @@ What the harness does before running anything, as far as the OS lets it (`isolat
               when it exits (daemons, setsid'd children, lingering threads included).
   chroot      (root) a new root on a size-capped tmpfs holding read-only, nosuid bind mounts of
               /usr (/bin, /lib ...) and the interpreter's prefix, /dev/{null,zero,random,urandom},
-              an empty /tmp and the working directory /work. Nothing else exists inside: not the
-              trainer's files, out_dir, other runs, /root or /home; `..` and absolute paths lead
-              nowhere else.
+              an empty /tmp and the working directory /work: pivot_root onto the tmpfs, the old
+              root detached, then a chroot one level inside it (a chrooted process may not create
+              a user namespace, where it would regain capabilities). Nothing else exists inside:
+              not the trainer's files, out_dir, other runs, /root or /home; `..` and absolute
+              paths lead nowhere else.
   uid         (root) setgroups([]) + setgid/setuid to an otherwise unused uid per pool slot, and
               PR_SET_NO_NEW_PRIVS: no capabilities, no setuid binaries, RLIMIT_NPROC applies (it
               does not to root), and the trainer (root) cannot be signalled.
   rlimits     always: CPU seconds, address space, file size (stdout/stderr and any file written),
               process count, open files, no core dumps; plus the wall-clock timeout per case and a
               SIGKILL of the case's whole tree (kill(-1) inside the sandbox's PID namespace / uid).
-  always      a fresh temp working directory, stdin from a pipe, bounded output capture, killpg of
-              the session and removal of the temp directory afterwards.
+  always      a fresh temp working directory, stdin from an anonymous file (memfd), bounded output
+              capture, killpg of the session and removal of the temp directory afterwards.
 Without root (a normal user account) the harness can only try an unprivileged user + network
 namespace (no network) and otherwise runs with rlimits, a temp cwd and a scrubbed environment: the
 program then runs as your user and CAN read and write whatever you can. `isolation()` reports it and
@@ -38,6 +40,7 @@ the first run prints a warning.
 
 What it does not protect against (it is not a container): kernel exploits (same kernel, no seccomp
 filter), memory beyond RLIMIT_AS x RLIMIT_NPROC (no memory cgroup), CPU contention (no cpu cgroup),
+disk use without the chroot (then RLIMIT_FSIZE bounds each file, not their number),
 side channels, and reward hacking from inside the program's own process: a case's test code runs in
 the program's process (as in HumanEval and LiveCodeBench), so a program that sets out to can forge
 its own pass of an assert-style test (stdin/stdout cases are compared outside, against outputs the
@@ -277,13 +280,20 @@ def _stop(proc):
 
 
 def _note_isolation(layers):
-    if not _isolation:
-        _isolation[:] = layers
-        if "uid" not in layers and "chroot" not in layers and not _warned:
-            _warned.append(1)
-            print(f"warning: the code sandbox runs programs with only {', '.join(layers) or 'rlimits'} on this "
-                  "machine (not root, no user namespaces): they can read and write what this user can; set "
-                  "data.sandbox.WRAPPER to a stronger runner (see data/sandbox.py)", file=sys.stderr)
+    """Record the layers the harness got; say once, on stderr, what is missing."""
+    if _isolation:
+        return
+    _isolation[:] = layers
+    missing = [what for what, present in (
+        ("a uid of their own (they run as this user: they can read and write what it can, and signal it)",
+         "uid" in layers),
+        ("a chroot (world-readable files, e.g. the trainer's, are readable)", "chroot" in layers),
+        ("a network namespace (they can reach the network)", "namespaces" in layers or "netns" in layers)) if not present]
+    if missing and not _warned:
+        _warned.append(1)
+        print(f"warning: the code sandbox has no {'; no '.join(missing)} on this machine (it gets: "
+              f"{', '.join(layers)}); run as root, or set data.sandbox.WRAPPER to a stronger runner "
+              "(see data/sandbox.py)", file=sys.stderr)
 
 
 class _LineReader:

@@ -39,11 +39,17 @@ def _mount(libc, src, target, fstype, flags, data=None):
                       data and data.encode()), f"mount {target}")
 
 
-def _build_root(libc, root, limits, uid):
-    """A tmpfs at `root` with read-only binds of the system dirs and the interpreter, a few devices,
-    /tmp and /work (owned by the sandbox uid)."""
+JAIL = "/jail"  # the program's root, one level inside the tmpfs (see _pivot_root)
+
+
+def _build_root(libc, mount_point, limits, uid):
+    """A tmpfs at `mount_point` holding JAIL: read-only binds of the system dirs and the
+    interpreter, a few devices, /tmp and /work (owned by the sandbox uid)."""
     _mount(libc, None, "/", None, _MS_REC | _MS_PRIVATE)  # nothing we mount propagates to the host
-    _mount(libc, "tmpfs", root, "tmpfs", _MS_NOSUID | _MS_NODEV, f"size={limits['disk_mb']}m,nr_inodes=4096,mode=755")
+    _mount(libc, "tmpfs", mount_point, "tmpfs", _MS_NOSUID | _MS_NODEV,
+           f"size={limits['disk_mb']}m,nr_inodes=4096,mode=755")
+    root = mount_point + JAIL
+    os.mkdir(root, 0o755)
     binds = [d for d in _SYSTEM_DIRS if os.path.lexists(d)]
     prefix = sys.base_prefix
     if not any(prefix == d or prefix.startswith(d + "/") for d in binds):
@@ -106,17 +112,37 @@ def _isolate(header):
     return layers, "namespaces" in layers
 
 
+_SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41, "riscv64": 41, "ppc64le": 203, "s390x": 217}
+_MNT_DETACH = 2
+
+
+def _pivot_root(mount_point, layers):
+    """Make the tmpfs at `mount_point` the mount namespace's root and detach the old root (nothing of
+    the host is left in the namespace), then chroot into its JAIL. The chroot matters too: the kernel
+    refuses a chrooted process a new user namespace (where it would regain capabilities), and its
+    escapes need CAP_SYS_CHROOT, which the program never has. Where pivot_root is unknown or refused:
+    the chroot alone."""
+    libc, number = _libc(), _SYS_PIVOT_ROOT.get(os.uname().machine)
+    os.chdir(mount_point)
+    if number is not None and libc.syscall(number, b".", b".") == 0:
+        _check(libc.umount2(b".", _MNT_DETACH), "umount the old root")
+        os.chdir("/")
+        os.chroot(JAIL)
+        layers.append("pivot_root")
+    else:
+        os.chroot(mount_point + JAIL)
+
+
 def _enter(header, layers):
     """In the PID namespace's init: chroot, rlimits, drop to the sandbox uid (order matters)."""
     import resource
     lim = header["limits"]
     if "chroot" in layers:
-        root = os.getcwd()
-        os.chroot(root)
+        _pivot_root(os.getcwd(), layers)
         os.chdir("/work")
     mb = 1 << 20
-    for res, value in ((resource.RLIMIT_AS, lim["memory_mb"] * mb), (resource.RLIMIT_NOFILE, lim["nofile"]), (resource.RLIMIT_CORE, 0),
-                       (resource.RLIMIT_NPROC, lim["nproc"])):
+    for res, value in ((resource.RLIMIT_AS, lim["memory_mb"] * mb), (resource.RLIMIT_NOFILE, lim["nofile"]),
+                       (resource.RLIMIT_CORE, 0), (resource.RLIMIT_NPROC, lim["nproc"])):
         resource.setrlimit(res, (value, value))
     if header["drop_root"]:
         uid = header["uid"]

