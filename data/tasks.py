@@ -8,13 +8,9 @@ and read (every record checked up front) by train.py, eval.py and sample.py:
 `messages` is the prompt (an optional system turn, then the user turn; earlier user / assistant
 turns are few-shot examples); `kind` picks the answer checker (data/checkers.py) and the answer's
 shape (checkers.answer_problem: an mcq letter, a tool call list); `solution` is the reference
-<<<<<<< HEAD
 response that SFT trains on. A "code" answer is a JSON object of unit tests (its schema:
-data/checkers.py's code section), checked at load. Standard library only.
-=======
-response that SFT trains on. Relative paths are looked for from the working directory, then under
-the repository. Standard library only.
->>>>>>> input
+data/checkers.py's code section), checked at load. Relative paths are looked for from the working
+directory, then under the repository. Standard library only.
 """
 import hashlib
 import json
