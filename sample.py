@@ -7,7 +7,6 @@ Generate from a checkpoint (or an HF model id) through its chat template.
 --prompt_file: one prompt per line (or a data JSONL file: its `messages` are used and each
 response is scored with train.reward). Same configurator as train.py.
 """
-import json
 import sys
 
 import models
