@@ -5,9 +5,10 @@ Generate from a checkpoint (or an HF model id) through its chat template.
     python sample.py --init_from=Qwen/Qwen3-4B --prompt_file=prompts.txt --num_samples=4 --temperature=0.6
 
 --prompt_file: one prompt per line (or a data JSONL file: its `messages` are used and each
-response is scored with train.reward). Same configurator as train.py.
+response is scored with train.reward). Same configurator as train.py, and the same input checks:
+every record as train.py checks its data, UTF-8 files, prompts that leave no room for
+max_new_tokens in the model's context left out and counted.
 """
-import json
 import sys
 
 import models
