@@ -181,28 +181,28 @@ def writing(ckpt_dir):
 def reading(path):
     """Held (shared) while a reader loads a checkpoint of a run folder: it waits while train.py is
     writing one. A folder no run ever wrote a checkpoint into has no lock file: nothing to wait for."""
-    lock = os.path.join(os.path.dirname(os.path.abspath(path)), ".ckpt.lock")
     try:
-        fd = os.open(lock, os.O_RDONLY)
+        fd = os.open(os.path.join(os.path.dirname(os.path.abspath(path)), ".ckpt.lock"), os.O_RDONLY)
     except OSError:
-        yield
-        return
+        fd = None
     try:
-        fcntl.flock(fd, fcntl.LOCK_SH)
+        if fd is not None:
+            fcntl.flock(fd, fcntl.LOCK_SH)
         yield
     finally:
-        os.close(fd)
+        if fd is not None:
+            os.close(fd)
 
 
 def save(ckpt_dir, *, model, tokenizer, optimizer, teacher_model, state, rng_tensors, save_dtype="float32"):
     """Write a checkpoint (layout in the module docstring) atomically."""
-    # the space it needs: the previous checkpoint's, or the weights, AdamW's two moments and the teacher
-    needed = _folder_bytes(ckpt_dir) or sum(p.numel() * p.element_size() for m in (model, model, model, teacher_model)
-                                            if m is not None for p in m.parameters())
-    with writing(ckpt_dir), disk_errors(ckpt_dir + ".tmp", needed, keeps=ckpt_dir):
-        _write(ckpt_dir + ".tmp", model=model, tokenizer=tokenizer, optimizer=optimizer, teacher_model=teacher_model,
-               state=state, rng_tensors=rng_tensors, save_dtype=save_dtype)
-        _swap_in(ckpt_dir + ".tmp", ckpt_dir)
+    size = lambda m: sum(p.numel() * p.element_size() for p in m.parameters()) if m is not None else 0  # noqa: E731
+    needed = _folder_bytes(ckpt_dir) or 3 * size(model) + size(teacher_model)  # the last one's, or weights + 2 moments
+    with writing(ckpt_dir):
+        with disk_errors(ckpt_dir + ".tmp", needed, keeps=ckpt_dir):
+            _write(ckpt_dir + ".tmp", model=model, tokenizer=tokenizer, optimizer=optimizer, teacher_model=teacher_model,
+                   state=state, rng_tensors=rng_tensors, save_dtype=save_dtype)
+        _swap_in(ckpt_dir + ".tmp", ckpt_dir)  # outside disk_errors: a failed rename must not remove the new one
 
 
 @contextlib.contextmanager
@@ -269,11 +269,12 @@ def write_json(path, obj):
 
 def save_snapshot(folder, ckpt_dir, model, tokenizer):
     """A plain HF model folder (a stage's model), written as a checkpoint is: whole, or not there."""
-    with writing(ckpt_dir), disk_errors(folder + ".tmp", _folder_bytes(ckpt_dir)):
-        shutil.rmtree(folder + ".tmp", ignore_errors=True)
-        model.save_pretrained(folder + ".tmp")
-        tokenizer.save_pretrained(folder + ".tmp")
-        umask_modes(folder + ".tmp")
+    with writing(ckpt_dir):
+        with disk_errors(folder + ".tmp", _folder_bytes(ckpt_dir)):
+            shutil.rmtree(folder + ".tmp", ignore_errors=True)
+            model.save_pretrained(folder + ".tmp")
+            tokenizer.save_pretrained(folder + ".tmp")
+            umask_modes(folder + ".tmp")
         shutil.rmtree(folder, ignore_errors=True)
         os.replace(folder + ".tmp", folder)
 
@@ -306,11 +307,12 @@ def keep_as_good(ckpt_dir, good_dir):
     where the filesystem has no hard links; written as a checkpoint is (trainer/state.json last into
     ckpt_good.tmp, then swapped in), so recover() handles a crash here as it does in save()."""
     tmp, state = good_dir + ".tmp", os.path.join("trainer", "state.json")
-    with writing(ckpt_dir), disk_errors(tmp, _folder_bytes(ckpt_dir), keeps=good_dir):
-        shutil.rmtree(tmp, ignore_errors=True)
-        shutil.copytree(ckpt_dir, tmp, copy_function=_link_or_copy,
-                        ignore=lambda d, names: ["state.json"] if os.path.basename(d) == "trainer" else [])
-        _link_or_copy(os.path.join(ckpt_dir, state), os.path.join(tmp, state))  # complete now
+    with writing(ckpt_dir):
+        with disk_errors(tmp, _folder_bytes(ckpt_dir), keeps=good_dir):
+            shutil.rmtree(tmp, ignore_errors=True)
+            shutil.copytree(ckpt_dir, tmp, copy_function=_link_or_copy,
+                            ignore=lambda d, names: ["state.json"] if os.path.basename(d) == "trainer" else [])
+            _link_or_copy(os.path.join(ckpt_dir, state), os.path.join(tmp, state))  # complete now
         _swap_in(tmp, good_dir)
 
 

@@ -562,9 +562,10 @@ def check_out(out_path):
         raise train.UserError(f"out={out_path}: eval.py writes a JSON report (and its markdown beside it): give a path "
                               "ending in .json")
     stem = out_path[:-5]
-    ours = own_report(out_path)
+    earlier_report = os.path.exists(out_path) and own_report(out_path)  # its plots are its own too
     for path in (out_path, stem + ".md", stem + "_matrix.png", stem + "_drift.png"):
-        if os.path.lexists(path) and not (ours if path.endswith(".png") and os.path.isfile(path) else own_report(path)):
+        ours = (earlier_report and os.path.isfile(path)) if path.endswith(".png") else own_report(path)
+        if os.path.lexists(path) and not ours:
             raise train.UserError(f"out={out_path}: {path} exists and is not a report eval.py wrote: give another --out "
                                   "(eval.py overwrites only its own reports)")
     return stem

@@ -131,7 +131,8 @@ def test_eval_out_never_overwrites_a_file_it_did_not_write(finished_run, tmp_pat
     assert "give a path ending in .json" in line
     (tmp_path / "notes.json").write_text('{"mine": 1}')
     (tmp_path / "other.md").write_text("# mine\n")  # beside an absent other.json: the markdown would be replaced
-    for out in (config, tmp_path / "notes.json", tmp_path / "other.json"):
+    (tmp_path / "pic_matrix.png").write_bytes(b"a picture")  # beside an absent pic.json: a plot would replace it
+    for out in (config, tmp_path / "notes.json", tmp_path / "other.json", tmp_path / "pic.json"):
         with pytest.raises(train.UserError, match="exists and is not a report eval.py wrote"):
             ev.main(eval_cfg(run_dir=str(run), out=str(out)))
     assert (tmp_path / "notes.json").read_text() == '{"mine": 1}' and (tmp_path / "other.md").read_text() == "# mine\n"
