@@ -60,10 +60,10 @@ def test_memory_estimate_reads_a_config_and_the_gsm8k_rung_fits_one_gpu(capsys):
     with the 10 % the estimate leaves for CUDA context and fragmentation."""
     small = ["--init_from=Qwen/Qwen3-0.6B", "--gen_batch_size=32", "--micro_batch_size=8"]
     for config in ("config/sdpo_gsm8k.py", "config/grpo_gsm8k.py"):
-        big = estimate(capsys, f"--config={config}")
+        big = estimate(capsys, f"--config={config}", "--gpu_gb=80")
         assert big["model"] == "qwen3-1.7b" and big["settings"]["max_new_tokens"] == 1024
         assert big["needs_gb"] <= 80 and big["peak_gb"] <= 0.9 * 80
-        out = estimate(capsys, f"--config={config}", *small)
+        out = estimate(capsys, f"--config={config}", "--gpu_gb=24", *small)
         assert out["model"] == "qwen3-0.6b" and out["settings"]["gen_batch_size"] == 32  # the flags win
         assert out["needs_gb"] <= 24
         with open(os.path.join(ROOT, config)) as f:
@@ -77,6 +77,19 @@ def test_memory_estimate_reads_a_config_and_the_gsm8k_rung_fits_one_gpu(capsys):
     assert ddp["rows_gb"]["ddp_bucket"] == round(2 ** 24 * 4 / 1e9, 2)
     full = estimate(capsys, "--config=config/sdpo_gsm8k.py", "--grad_checkpointing=False")
     assert full["rows_gb"]["activations"] > 5 * sdpo["rows_gb"]["activations"]
+
+
+def test_memory_estimate_counts_the_static_cache_autocast_copies_and_what_stays_beside_the_train_step(capsys):
+    """The paper-scale run (sdpo_math.py, Qwen3-4B): a bf16 static cache of gen_batch_size rows at the
+    bucketed length, autocast's bf16 weight copies in both phases, and the rollout's cache freed before
+    the train step on an H200 (it does not fit beside it) but kept on a GPU twice that size."""
+    out = estimate(capsys)
+    rows, kv = out["rows_gb"], 36 * 2 * 8 * 128 * 2  # layers x (K, V) x kv heads x head dim x bf16
+    assert rows["kv_generate"] == round(32 * 5120 * kv / 1e9, 2)  # 512 + 4096 tokens, bucketed to 5120
+    assert rows["autocast_gen"] == rows["autocast_step"] == round(2 * out["params"] / 1e9, 2)
+    assert not out["static_cache_kept"] and rows["kv_kept"] == 0 and out["needs_gb"] <= 141
+    big = estimate(capsys, "--gpu_gb=282")
+    assert big["static_cache_kept"] and big["rows_gb"]["kv_kept"] == rows["kv_generate"]
 
 
 def test_every_shipped_qwen3_config_gets_an_estimate(capsys):
@@ -112,12 +125,21 @@ def test_gpu_check_runs_every_section_in_cpu_mode(toy_data, tmp_path):
                      "static ~ dynamic", "resume continues exactly", "SFT", "GRPO", "SDPO"):
         assert expected in names, (expected, names)
     assert out["correctness_ok"] and set(out["correctness"].values()) == {"PASS"}
+    assert len(lines[-1]) < 6000  # the short form: a device call returns 12,000 characters
+    with open(out["files"]["json"]) as f:
+        full = json.load(f)  # the table and the full JSON are written into --out
+    with open(out["files"]["table"]) as f:
+        assert f.read().splitlines()[2] == "| sec | check | status | numbers |"
+    assert os.path.dirname(out["files"]["json"]) == str(tmp_path) and os.listdir(out["files"]["logs"])
+    out = full
     checks = {c["name"]: c for c in out["checks"]}
     bench = next(c for c in out["checks"] if c["name"].startswith("fused speed"))["numbers"]
     assert bench["naive_bf16_s"] > 0 and bench["fused_s"] > 0  # the bf16-naive column ran
     liger = next(c for c in out["checks"] if "Liger" in c["name"])
     assert liger["status"] == "SKIP" and "CUDA" in liger["summary"]  # never a requirement
     assert checks["train.generate(static=True) tokens/s"]["numbers"]["tok_s"] > 0
+    assert checks["compiles of the static decode step"]["numbers"]["warmup"] >= 1  # the counter sees the compile
+    assert any("grad_checkpointing" in name and status == "PASS" for name, status in out["correctness"].items())
     assert next(c for c in out["checks"] if c["name"].startswith("static rollout"))["numbers"]["static_over_hf"] > 0
 
 

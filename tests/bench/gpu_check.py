@@ -1,9 +1,12 @@
 """One command for a GPU machine: is nanoSDPO correct on CUDA, does it train there, and how fast is it.
 
-    python tests/bench/gpu_check.py                # one GPU: sections a-d, one table, a JSON last line
-    python tests/bench/gpu_check.py --only=a,c     # some sections (a rerun after a fix)
+    python tests/bench/gpu_check.py --only=a,c,d --out=runs/gc   # one GPU, the first command (<= 4 min on an H200)
+    python tests/bench/gpu_check.py --only=b --out=runs/gc       # the second command (<= 4 min)
     python tests/bench/gpu_check.py --cpu          # the same code paths at tiny sizes on the CPU (tests/test_bench.py)
-    python tests/bench/gpu_check.py --out=runs/gc  # keep the train.py runs and logs (default: a temp dir, kept on a failure)
+Each command writes into --out (default: a new temp dir, kept): its table (gpu_check_<sections>.md),
+the full JSON (gpu_check_<sections>.json), and the train.py runs with their logs (logs/); it prints
+the table and, last, a short JSON line (the verdicts and the files), well under the 12,000 characters
+a device call returns.
 
 Sections (each check prints PASS / FAIL with its numbers as it finishes):
   a  correctness on the device
@@ -16,13 +19,16 @@ Sections (each check prints PASS / FAIL with its numbers as it finishes):
          iterations == 6 (tests/test_train.py::test_resume_continues_exactly, on the device; on CUDA
          under torch.use_deterministic_algorithms, so only the resume itself can make them differ)
   b  a short toy SFT -> GRPO -> SDPO, `python train.py ... --device=<dev> --static_rollout=on`
-     subprocesses: accuracy (mean@4 on toy/add) before and after, and seconds per phase
+     subprocesses: accuracy (mean@4 on toy/add) before and after, and seconds per phase; the SDPO run
+     with --grad_checkpointing=True (the headline configs' setting: rollouts must keep their cache)
   c  tests/bench/bench_loss.py on the device (bf16 inputs, the main size N=8192 H=4096 V=128256): fused
      vs the fp32 naive and the bf16-matmul naive, and the full-vocab JSD against Liger's fused linear
      JSD when liger_kernel is importable
-  d  rollout tokens/s at a random-init Qwen3-0.6B shape (toy tokenizer, vocab padded to 128, bf16):
-     train.generate (dynamic cache), train.generate(static=True) and HF generate; 32 prompts x 8
-     samples x 128 new tokens, 1 warm-up (for static: the torch.compile) + 3 timed runs each
+  d  rollout tokens/s at a random-init Qwen3-0.6B shape (toy tokenizer, vocab padded to 128) as
+     train.py runs it: fp32 weights under bf16 autocast, the model in train mode with gradient
+     checkpointing on: train.generate (dynamic cache), train.generate(static=True) and HF generate
+     (the same autocast); 32 prompts x 8 samples x 128 new tokens, 1 warm-up (for static: the
+     torch.compile) + 2 timed runs each; the number of graphs dynamo compiled
 
 Targets (GPU only; reported, exit code unaffected unless --strict): fused loss >= 1.0x the bf16
 naive's speed and <= 10 % of its peak memory at the main size; the fused JSD within 1.2x of Liger's
@@ -34,11 +40,12 @@ CUDA, inductor's minute of CPU code generation is skipped), in this process and,
 script's --train wrapper, in the resume check's train.py runs; section b's runs use
 --static_rollout=off there and overlap the other sections (CPU timings mean nothing here).
 
-Budget on one H200 (the printed seconds tell): a ~1.5 min (two small compiles in this process
-while the resume runs, three short train.py runs with their compiles, go on beside them), b ~2 min
-(three train.py runs, each compiling its decode step; SFT 250 iterations, GRPO and SDPO 20), c ~1 min
-(the fp32 naive at the main size is the slow column), d ~1.5 min (the 0.6B static compile, ~50 s,
-then 4 x 3 engines x 256 rows x 128 tokens): ~6 min in all, within the 8 minutes asked.
+Budget on one H200, an estimate from reading the code (no GPU was lent when it was written; the
+printed seconds tell): a ~1.5 min (two small compiles in this process while the resume runs, three
+short train.py runs with their compiles, go on beside them), c ~1 min (the fp32 naive at the main
+size is the slow column), d ~1.3 min (the 0.6B static compile, ~50 s, then 3 x 3 engines x 256 rows
+x 128 tokens): `--only=a,c,d` ~3.8 min; b ~2.5 min (three train.py runs, each compiling its decode
+step; SFT 250 iterations, GRPO and SDPO 20): `--only=b`. ~6.3 min in all, plus each command's start.
 """
 import sys
 
@@ -68,7 +75,6 @@ import json  # noqa: E402
 import traceback  # noqa: E402
 import math  # noqa: E402
 import os  # noqa: E402
-import shutil  # noqa: E402
 import statistics  # noqa: E402
 import subprocess  # noqa: E402
 import tempfile  # noqa: E402
@@ -141,6 +147,12 @@ def one_line(e):
 
 def fmt(x):
     return "-" if x is None else f"{x:.3f}"
+
+
+def compiled_graphs():
+    """Graphs dynamo has compiled in this process (each recompile adds one)."""
+    from torch._dynamo.utils import counters
+    return int(counters["stats"]["unique_graphs"])
 
 
 def reset_compile():
@@ -405,12 +417,14 @@ def section_b(C):
         rl_extra = evals
     runs = [("SFT", [*sft, "--eval_sets=toy/add", f"--out_dir={out}/sft"], sft_iters)]
     for algo in ("grpo", "sdpo"):
-        runs.append((algo.upper(), [f"config/{algo}_toy.py", *(size if C.cpu else []), *rl_extra, "--dataset=toy/add",
+        # SDPO with gradient checkpointing, as the headline configs train: its rollouts must keep their KV cache
+        ckpt = ["--grad_checkpointing=True"] if algo == "sdpo" else []
+        runs.append((algo.upper(), [f"config/{algo}_toy.py", *(size if C.cpu else []), *rl_extra, *ckpt, "--dataset=toy/add",
                                     f"--init_from={out}/sft/ckpt", f"--out_dir={out}/{algo}", f"--max_iters={rl_iters}"],
                      rl_iters))
     sft_ok = False
     for phase, args, iters in runs:
-        name = f"{phase}, {iters} iterations on toy/add"
+        name = f"{phase}, {iters} iterations on toy/add" + (", grad_checkpointing" if phase == "SDPO" else "")
         if phase != "SFT" and not sft_ok:
             C.add("b", name, "FAIL", "not run: the SFT phase failed")
             continue
@@ -505,29 +519,33 @@ QWEN3_SHAPES = {  # Qwen3-0.6B's body; "tiny" for --cpu
 def section_d(C):
     from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
     reset_compile()
-    shape, n_prompts, group, max_new, runs = ("0.6b", 32, 8, 128, 3) if not C.cpu else ("tiny", 4, 2, 16, 3)
-    dtype = torch.bfloat16 if not C.cpu else torch.float32
+    shape, n_prompts, group, max_new, runs = ("0.6b", 32, 8, 128, 2) if not C.cpu else ("tiny", 4, 2, 16, 2)
+    # as train.py runs it: fp32 master weights, bf16 autocast (CUDA), train mode with gradient checkpointing
+    autocast = models.make_autocast(C.dev, "bfloat16" if not C.cpu else "float32")
     tok = AutoTokenizer.from_pretrained(os.path.join(ROOT, "data", "toy", "tokenizer"))
     cfg = Qwen3Config(vocab_size=128, max_position_embeddings=4096, tie_word_embeddings=True,
                       eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, bos_token_id=None, **QWEN3_SHAPES[shape])
     torch.manual_seed(0)
     with C.dev:  # initialised on the device: seconds, not a minute of CPU init at 0.6B
         model = Qwen3ForCausalLM(cfg)
-    model = model.to(C.dev, dtype).eval()
+    model = model.to(C.dev, torch.float32).train()
+    models.enable_grad_checkpointing(model)
     tasks = train.load_tasks("toy/sort", "test", os.path.join(ROOT, "data"))[:n_prompts]
     prompts = [train.prompt_ids(tok, t["messages"]) for t in tasks]
     eos, pad = train.stop_token_ids(model, tok), tok.pad_token_id
     ids, mask = (t.to(C.dev) for t in models.pad_batch(prompts, pad, left=True))
     params = sum(p.numel() for p in model.parameters())
-    C.say("d", f"Qwen3 {shape} shape, {params / 1e6:.0f}M params, {dtype}, {n_prompts} prompts x {group} samples x "
-               f"{max_new} new tokens (prompt length {ids.shape[1]}); 1 warm-up + {runs} timed runs each, interleaved")
+    C.say("d", f"Qwen3 {shape} shape, {params / 1e6:.0f}M params, fp32 weights" + (" under bf16 autocast" if not C.cpu else "")
+          + f", train mode + grad checkpointing; {n_prompts} prompts x {group} samples x {max_new} new tokens (prompt "
+            f"length {ids.shape[1]}); 1 warm-up + {runs} timed runs each, interleaved")
 
     def ours(seed, static):
         g = train.make_generator(seed, C.dev)
         C.sync()
         t0 = time.perf_counter()
-        r = train.generate(model, prompts, group_size=group, max_new_tokens=max_new, temperature=1.0, top_p=1.0,
-                           eos_ids=eos, pad_id=pad, generator=g, static=static)
+        with autocast():
+            r = train.generate(model, prompts, group_size=group, max_new_tokens=max_new, temperature=1.0, top_p=1.0,
+                               eos_ids=eos, pad_id=pad, generator=g, static=static)
         C.sync()
         return time.perf_counter() - t0, sum(len(x) for x in r.response_ids)
 
@@ -535,7 +553,7 @@ def section_d(C):
         torch.manual_seed(seed)
         C.sync()
         t0 = time.perf_counter()
-        with torch.no_grad():
+        with torch.no_grad(), autocast(), models.eval_mode(model):
             out = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0, top_p=1.0, top_k=0,
                                  num_return_sequences=group, max_new_tokens=max_new, eos_token_id=eos, pad_token_id=pad)
         C.sync()
@@ -543,14 +561,18 @@ def section_d(C):
         return dt, int(train.response_mask(out[:, ids.shape[1]:].cpu(), eos).sum())
 
     engines = {"dynamic": lambda s: ours(s, False), "static": lambda s: ours(s, True), "hf": hf}
+    compiled = {}
     labels = {"dynamic": "train.generate", "static": "train.generate(static=True)", "hf": "HF generate"}
     res, warm = {}, {}
     for name, fn in engines.items():
         with C.guard("d", f"{labels[name]} warm-up"):
+            graphs = compiled_graphs()
             t0 = time.perf_counter()
             fn(0)
             warm[name] = time.perf_counter() - t0
+            compiled[name] = compiled_graphs() - graphs
             res[name] = []
+    graphs_after_warmup = compiled_graphs()
     for r in range(runs):  # interleaved, so that drifts hit every engine alike
         for name in (list(res) if r % 2 == 0 else list(res)[::-1]):
             with C.guard("d", f"{labels[name]} run {r + 1}"):
@@ -560,16 +582,23 @@ def section_d(C):
         if rs:
             s, n = statistics.median(t for t, _ in rs), statistics.median(n for _, n in rs)
             summary[name] = dict(s=round(s, 4), tokens=n, tok_s=round(statistics.median(n / t for t, n in rs), 1),
-                                 warmup_s=round(warm[name], 2), runs_s=[round(t, 4) for t, _ in rs])
+                                 warmup_s=round(warm[name], 2), runs_s=[round(t, 4) for t, _ in rs],
+                                 compiled_graphs_warmup=compiled[name], compiled_graphs_total=compiled_graphs())
             C.add("d", f"{labels[name]} tokens/s", "INFO",
                   f"{summary[name]['tok_s']:.0f} tok/s ({s:.3f} s for {n:.0f} tokens; warm-up {warm[name]:.1f} s"
-                  + (", the compile" if name == "static" else "") + ")", summary[name], kind="info")
+                  + (f", the compile: {compiled[name]} graph(s)" if name == "static" else "") + ")", summary[name],
+                  kind="info")
     if "static" in summary and "hf" in summary:
         x = summary["static"]["tok_s"] / summary["hf"]["tok_s"]
         y = summary["static"]["tok_s"] / summary["dynamic"]["tok_s"] if "dynamic" in summary else float("nan")
         C.target("d", f"static rollout >= 3x HF generate ({shape} shape)", x >= 3.0,
                  f"{x:.2f}x HF generate's tokens/s ({y:.2f}x the dynamic path)",
                  dict(static_over_hf=round(x, 3), static_over_dynamic=round(y, 3)))
+    if "static" in summary:  # every timed run reuses the warm-up's graphs: a recompile would show here
+        C.add("d", "compiles of the static decode step", "INFO",
+              f"{compiled['static']} graph(s) in the warm-up, {compiled_graphs() - graphs_after_warmup} in the "
+              f"{runs} timed runs after it", dict(warmup=compiled["static"], after=compiled_graphs() - graphs_after_warmup),
+              kind="info")
     reset_compile()  # drops the compiled steps' hold on the model (freed on return)
     return summary
 
@@ -589,7 +618,8 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cpu", action="store_true", help="tiny sizes on the CPU (eager-backend compile): tests the script")
     ap.add_argument("--only", default="a,b,c,d", help="comma-separated sections to run (a,b,c,d)")
-    ap.add_argument("--out", default=None, help="folder for the train.py runs and their logs (default: a temp dir, removed)")
+    ap.add_argument("--out", default=None, help="folder for the table, the JSON, the train.py runs and their logs "
+                                                "(default: a new temp dir, kept)")
     ap.add_argument("--strict", action="store_true", help="also exit non-zero when a GPU target is missed")
     ap.add_argument("--serial", action="store_true", help="--cpu: run section b after a instead of beside the others")
     args = ap.parse_args(argv)
@@ -598,7 +628,6 @@ def main(argv=None):
         ap.error(f"--only takes letters among {','.join(SECTIONS)}")
     if not args.cpu and not torch.cuda.is_available():
         sys.exit("error: no CUDA device: run on a GPU machine, or use --cpu for the tiny CPU version")
-    temp = args.out is None
     args.out = os.path.abspath(args.out or tempfile.mkdtemp(prefix="gpu_check_"))
     os.makedirs(args.out, exist_ok=True)
     if not os.path.exists(os.path.join(ROOT, "data", "toy", "tokenizer", "tokenizer_config.json")) or \
@@ -652,24 +681,26 @@ def main(argv=None):
     targets = {f"{r['section']}: {r['name']}": r["status"] for r in C.rows if r["kind"] in ("target", "aim")}
     correct = all(v == "PASS" for v in correctness.values()) and not C.errors
     targets_met = all(v in ("PASS", "SKIP", "INFO") for k, v in targets.items())
-    print()
-    print(f"## gpu_check: {device}" + (" (--cpu: tiny sizes)" if args.cpu else "") + f", {total:.0f} s "
-          f"(" + ", ".join(f"{s} {C.seconds[s]:.0f} s" for s in only if s in C.seconds) + ")")
-    print()
-    print(table(C))
-    print()
     verdict = "correctness: " + ("all PASS" if correct else "FAILED") + "; targets: " + \
               ("met" if targets_met else "missed") + ("" if not args.cpu else " (cpu: not applied)")
-    print(verdict)
+    report = "\n".join([f"## gpu_check: {device}" + (" (--cpu: tiny sizes)" if args.cpu else "") + f", torch "
+                        f"{torch.__version__}, transformers {transformers.__version__}; {total:.0f} s (" +
+                        ", ".join(f"{s} {C.seconds[s]:.0f} s" for s in only if s in C.seconds) + ")", "", table(C), "",
+                        verdict])
+    tag = "".join(only)
+    files = {"table": os.path.join(args.out, f"gpu_check_{tag}.md"), "json": os.path.join(args.out, f"gpu_check_{tag}.json"),
+             "logs": os.path.join(args.out, "logs")}
     result = {"mode": "cpu" if args.cpu else "cuda", "device": device, "torch": torch.__version__,
               "transformers": transformers.__version__, "liger_kernel": liger, "sections": only,
               "seconds": C.seconds, "total_s": total, "correctness": correctness, "correctness_ok": correct,
-              "targets": targets, "targets_ok": targets_met, "errors": C.errors, "checks": C.rows}
-    if temp and correct:
-        shutil.rmtree(args.out, ignore_errors=True)
-    elif temp:
-        print(f"(run folders and train.py logs kept in {args.out})")
-    print(json.dumps(result, default=str))
+              "targets": targets, "targets_ok": targets_met, "errors": C.errors, "files": files}
+    with open(files["table"], "w") as f:
+        f.write(report + "\n")
+    with open(files["json"], "w") as f:
+        json.dump(dict(result, checks=C.rows), f, indent=1, default=str)
+    print()
+    print(report)
+    print(json.dumps(result, default=str))  # the short form: the checks' numbers are in files["json"]
     return 0 if correct and (targets_met or not args.strict) else 1
 
 

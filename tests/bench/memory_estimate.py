@@ -46,6 +46,7 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)  # as a script: the repo root on sys.path, for train.py and tests.*
+import models  # noqa: E402
 import train  # noqa: E402
 from configurator import configure  # noqa: E402
 
@@ -89,7 +90,7 @@ def block_activation_bytes(a):
     return 4 * fp32 + 2 * bf16  # attention inputs (v as is) and output, gate / act / up / product
 
 
-def estimate(cfg, model, world_size=1, prompt_tokens=512, teacher_prompt_tokens=None):
+def estimate(cfg, model, world_size=1, prompt_tokens=512, teacher_prompt_tokens=None, gpu_bytes=141 * GB):
     """(rows, summary): rows are (key, label, bytes, phase) with phase 'state', 'generation',
     'train step' or 'optimizer'; summary has the state, the phases' totals and the peak (bytes)."""
     a, n = ARCH[model], count_params(model)
@@ -114,6 +115,7 @@ def estimate(cfg, model, world_size=1, prompt_tokens=512, teacher_prompt_tokens=
     eval_rows = rows_per_call(max(1, cfg["batch_prompts"] * G // n_eval), n_eval)  # train.main's eval chunk
     gen_rows = max(train_rows, eval_rows)
     seq = prompt_tokens + cfg["max_new_tokens"]
+    cache_len = models.bucket(seq)  # the static cache's length: bucketed (models.static_decoding)
     gen_kind = "rollout" if train_rows >= eval_rows else f"eval, eval_n={n_eval}"
 
     # one micro-batch of the train step
@@ -142,8 +144,11 @@ def estimate(cfg, model, world_size=1, prompt_tokens=512, teacher_prompt_tokens=
         ("grads", "grads (fp32)", 4 * n, "state"),
         ("adamw", "AdamW moments (fp32)", 8 * n, "state"),
         ("copies", f"teacher / reference copies (fp32) x{copies}", 4 * n * copies, "state"),
-        ("kv_generate", f"KV cache, one generate call ({gen_kind}): {gen_rows} rows x {seq} tokens",
-         gen_rows * seq * kv_per_token, "generation"),
+        ("kv_generate", f"static KV cache (bf16, the autocast dtype), one generate call ({gen_kind}): {gen_rows} rows x "
+         f"{cache_len} tokens (bucketed from {seq})", gen_rows * cache_len * kv_per_token, "generation"),
+        ("kv_prefill", f"prefill KV cache, repeated for the group, while copied into the static one: {gen_rows} rows x "
+         f"{prompt_tokens} tokens", gen_rows * prompt_tokens * kv_per_token, "generation"),
+        ("autocast_gen", "autocast's bf16 copies of the fp32 weights, held through a generate call", 2 * n, "generation"),
         ("kv_teacher", f"KV cache, one teacher forward: {micro} rows x {t_seq} tokens" if sdpo
          else f"KV cache, one teacher forward: none (algo={algo})", micro * t_seq * kv_per_token if sdpo else 0,
          "train step"),
@@ -151,14 +156,23 @@ def estimate(cfg, model, world_size=1, prompt_tokens=512, teacher_prompt_tokens=
          else f"teacher hidden states: none (algo={algo})",
          resp_tokens * H * 4 * (2 if teacher == "trust_region" else 1) if sdpo else 0, "train step"),
         *[(k, label, b, "train step") for k, label, b in acts + loss],
+        ("autocast_step", "autocast's bf16 copies of the fp32 weights, saved for the backward", 2 * n, "train step"),
         ("ddp_bucket", f"gradient all-reduce bucket (fp32): {min(BUCKET, n)} elements, world_size={world_size}"
          if world_size > 1 else "gradient all-reduce bucket: none (world_size=1)",
          4 * min(BUCKET, n) if world_size > 1 else 0, "train step"),
         ("adamw_step", "optimizer step: foreach AdamW's sqrt(v) temporary (fp32)", 4 * n, "optimizer"),
     ]
+    # the rollout's static cache stays through the train step only where both fit (models.StepMemory)
     phases = {p: sum(b for _, _, b, q in rows if q == p) for p in ("state", "generation", "train step", "optimizer")}
+    rollout_cache = train_rows * cache_len * kv_per_token
+    kept = phases["state"] + phases["train step"] + rollout_cache <= SLACK * gpu_bytes
+    rows.insert(-1, ("kv_kept", f"the rollout's static KV cache beside the train step: " + (
+        f"kept (fits in {SLACK:.0%} of {gpu_bytes / GB:.0f} GB)" if kept else
+        f"freed before the step (does not fit in {SLACK:.0%} of {gpu_bytes / GB:.0f} GB beside it)"),
+        rollout_cache if kept else 0, "train step"))
+    phases["train step"] += rollout_cache if kept else 0
     peak = phases["state"] + max(phases["generation"], phases["train step"], phases["optimizer"])
-    summary = dict(params=n, kv_per_token=kv_per_token, gen_rows=gen_rows, micro_rows=micro,
+    summary = dict(params=n, kv_per_token=kv_per_token, gen_rows=gen_rows, micro_rows=micro, static_cache_kept=kept,
                    teacher_prompt_tokens=teacher_prompt_tokens, phases=phases, peak=peak,
                    peak_phase=max(("generation", "train step", "optimizer"), key=phases.get))
     return rows, summary
@@ -179,6 +193,8 @@ def main(argv=None):
     ap.add_argument("--model", choices=sorted(ARCH), default=None, help="default: the ARCH entry init_from names")
     ap.add_argument("--world_size", type=int, default=1, help="DDP ranks (>1 adds one gradient all-reduce bucket)")
     ap.add_argument("--prompt_tokens", type=int, default=512, help="longest prompt")
+    ap.add_argument("--gpu_gb", type=float, default=141, help="GPU memory (GB) the static cache must fit in beside the "
+                    "train step to be kept through it (default: an H200)")
     ap.add_argument("--teacher_prompt_tokens", type=int, default=None,
                     help="longest teacher prompt (default: prompt + max_new_tokens + 64, at most max_reprompt_len)")
     args, overrides = ap.parse_known_args(argv)
@@ -191,7 +207,7 @@ def main(argv=None):
     if model is None:
         raise SystemExit(f"error: init_from={cfg['init_from']!r} names no Qwen3 model in ARCH "
                          f"({', '.join(sorted(ARCH))}): pass --model=")
-    rows, s = estimate(cfg, model, args.world_size, args.prompt_tokens, args.teacher_prompt_tokens)
+    rows, s = estimate(cfg, model, args.world_size, args.prompt_tokens, args.teacher_prompt_tokens, args.gpu_gb * GB)
     state, peak = s["phases"]["state"], s["peak"]
 
     print(f"memory estimate -- arithmetic, not a measurement -- per rank, {args.config or 'train.py defaults'}"
@@ -216,7 +232,9 @@ def main(argv=None):
         "rows_gb": {k: round(b / GB, 2) for k, _, b, _ in rows},
         "state_gb": round(state / GB, 1), "phases_gb": {k: round(v / GB, 1) for k, v in s["phases"].items() if k != "state"},
         "peak_gb": round(peak / GB, 1), "peak_phase": s["peak_phase"], "needs_gb": round(peak / SLACK / GB, 1),
-        "gen_rows": s["gen_rows"], "micro_rows": s["micro_rows"], "kv_cache_gen_gb": round(rows[4][2] / GB, 1),
+        "gen_rows": s["gen_rows"], "micro_rows": s["micro_rows"],
+        "kv_cache_gen_gb": round(next(b for k, _, b, _ in rows if k == "kv_generate") / GB, 1),
+        "static_cache_kept": s["static_cache_kept"],
         "settings": {"prompt_tokens": args.prompt_tokens, "teacher_prompt_tokens": s["teacher_prompt_tokens"],
                      **{k: cfg[k] for k in ("algo", "teacher", "kl_coef", "batch_prompts", "group_size", "eval_n",
                                             "gen_batch_size", "micro_batch_size", "grad_checkpointing", "max_new_tokens",
