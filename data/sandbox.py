@@ -79,8 +79,9 @@ class Limits:
     nofile: int = 64  # RLIMIT_NOFILE
     startup_s: float = 30.0  # how long the harness may take to start (generous: a loaded machine)
     wrapper: list = None  # command prefix (None: the module's WRAPPER)
-    isolation: str = "auto"  # 'auto' (all the OS allows), 'user' (the unprivileged namespaces only), 'none' (rlimits:
-    #                          for a wrapper that isolates already; as root the program then runs as root)
+    isolation: str = "auto"  # 'auto' (all the OS allows), 'uid' (as root: the uid and rlimits, no namespaces), 'user'
+    #                          (the unprivileged namespaces only), 'none' (rlimits: for a wrapper that isolates
+    #                          already; as root the program then runs as root)
 
 
 @dataclass
