@@ -37,6 +37,9 @@ Without root (a normal user account) the harness can only try an unprivileged us
 namespace (no network) and otherwise runs with rlimits, a temp cwd and a scrubbed environment: the
 program then runs as your user and CAN read and write whatever you can. `isolation()` reports it and
 the first run prints a warning.
+As root where namespaces are refused (a container without CAP_SYS_ADMIN) it keeps the uid and the
+rlimits; world-readable files are then readable, and the interpreter's own files must be readable
+by other users for the program's imports (a Python installed under /root is not).
 
 What it does not protect against (it is not a container): kernel exploits (same kernel, no seccomp
 filter), memory beyond RLIMIT_AS x RLIMIT_NPROC (no memory cgroup), CPU contention (no cpu cgroup),
