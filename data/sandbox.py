@@ -37,6 +37,9 @@ Without root (a normal user account) the harness can only try an unprivileged us
 namespace (no network) and otherwise runs with rlimits, a temp cwd and a scrubbed environment: the
 program then runs as your user and CAN read and write whatever you can. `isolation()` reports it and
 the first run prints a warning.
+As root where namespaces are refused (a container without CAP_SYS_ADMIN) it keeps the uid and the
+rlimits; world-readable files are then readable, and the interpreter's own files must be readable
+by other users for the program's imports (a Python installed under /root is not).
 
 What it does not protect against (it is not a container): kernel exploits (same kernel, no seccomp
 filter), memory beyond RLIMIT_AS x RLIMIT_NPROC (no memory cgroup), CPU contention (no cpu cgroup),
@@ -79,8 +82,9 @@ class Limits:
     nofile: int = 64  # RLIMIT_NOFILE
     startup_s: float = 30.0  # how long the harness may take to start (generous: a loaded machine)
     wrapper: list = None  # command prefix (None: the module's WRAPPER)
-    isolation: str = "auto"  # 'auto' (all the OS allows), 'user' (the unprivileged namespaces only), 'none' (rlimits:
-    #                          for a wrapper that isolates already; as root the program then runs as root)
+    isolation: str = "auto"  # 'auto' (all the OS allows), 'uid' (as root: the uid and rlimits, no namespaces), 'user'
+    #                          (the unprivileged namespaces only), 'none' (rlimits: for a wrapper that isolates
+    #                          already; as root the program then runs as root)
 
 
 @dataclass

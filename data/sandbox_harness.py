@@ -82,12 +82,12 @@ def _parents(root, d):
 
 def _isolate(header):
     """Namespaces + chroot + uid when root; a user + network namespace when allowed; else nothing
-    (header["isolation"]: 'auto', or 'user' / 'none' to ask for less). Returns (layers,
+    (header["isolation"]: 'auto', or 'uid' / 'user' / 'none' to ask for less). Returns (layers,
     in_pid_namespace). Called in the harness before anything of the program runs."""
     libc, layers = _libc(), []
     uid, limits, mode = header["uid"], header["limits"], header.get("isolation", "auto")
-    header["drop_root"] = mode == "auto" and os.geteuid() == 0
-    if mode == "none":
+    header["drop_root"] = mode in ("auto", "uid") and os.geteuid() == 0
+    if mode in ("none", "uid"):
         pass
     elif header["drop_root"]:
         flags = _CLONE["ns"] | _CLONE["net"] | _CLONE["pid"] | _CLONE["ipc"] | _CLONE["uts"]
@@ -145,6 +145,10 @@ def _enter(header, layers):
                        (resource.RLIMIT_CORE, 0), (resource.RLIMIT_NPROC, lim["nproc"])):
         resource.setrlimit(res, (value, value))
     if header["drop_root"]:
+        if "chroot" not in layers:
+            # without the chroot's bind of the interpreter, its files may be closed to the new uid
+            # (e.g. under /root): load what a case needs after the fork now
+            import linecache, traceback  # noqa: F401
         uid = header["uid"]
         os.setgroups([])
         os.setresgid(uid, uid, uid)

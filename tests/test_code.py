@@ -516,13 +516,17 @@ def test_check_batch_scores_a_mixed_batch_like_one_reward_call_each():
     assert [s for s, _ in batch] == [1.0, 1.0, 0.0, 0.0, 0.0]
 
 
-@pytest.mark.parametrize("mode", ["user", "none"])
+@pytest.mark.parametrize("mode", ["uid", "user", "none"])
 def test_the_lesser_isolation_modes_still_run_and_judge_programs(mode):
-    """The paths a non-root account (user namespaces, or nothing) takes, forced here: benign programs only."""
+    """The paths a machine without namespaces (root in a container: the uid only) or a non-root account
+    (user namespaces, or nothing) takes, forced here: benign programs only."""
+    if mode == "uid" and os.geteuid() != 0:
+        pytest.skip("the uid mode needs root")
     limits = sandbox.Limits(isolation=mode)
     results = sandbox.run("a, b = map(int, input().split())\nprint(a + b)",
                           [sandbox.Case(stdin="1 2\n"), sandbox.Case(stdin="x\n")], limits)
     assert [r.status for r in results] == ["ok", "error"] and results[0].stdout == "3\n"
+    assert "ValueError" in results[1].stderr and "solution.py" in results[1].stderr  # the traceback works too
     loop = sandbox.Limits(isolation=mode, timeout_s=1)
     assert sandbox.run("while True:\n    pass", [sandbox.Case()], loop)[0].status == "timeout"
     results = sandbox.run("def sq(x):\n    return x * x", [sandbox.Case(code="__result__ = str(sq(7))", main=False)], limits)
