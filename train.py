@@ -289,6 +289,13 @@ def reward(kind, response, answer, math_checker="builtin"):
         return 0.0, f"could not check the response ({type(e).__name__})"
 
 
+def rewards_of(tasks, responses, math_checker="builtin"):
+    """[reward(...)] for responses[i] to tasks[i]; "code" responses run together on the sandbox's
+    worker pool (data/sandbox.py: a rollout's programs in parallel, never in this process)."""
+    return checkers.check_batch([t["kind"] for t in tasks], responses, [t["answer"] for t in tasks],
+                                lambda kind, text, answer: reward(kind, text, answer, math_checker))
+
+
 # ----------------------------------------------------------------------------- rollout
 @dataclass
 class Batch:
@@ -502,8 +509,7 @@ def build_batch(tasks, model, tokenizer, cfg, generator, dev, *, autocast=contex
                          static=use_static_rollout(cfg["static_rollout"], dev))
     batch.texts = tokenizer.batch_decode(batch.response_ids, skip_special_tokens=True)
     t_gen, t0 = time.time() - t0, time.time()
-    scored = [reward(tasks[i // G]["kind"], text, tasks[i // G]["answer"], cfg["math_checker"])
-              for i, text in enumerate(batch.texts)]
+    scored = rewards_of([tasks[i // G] for i in range(len(batch.texts))], batch.texts, cfg["math_checker"])
     rewards = torch.tensor([s for s, _ in scored], dtype=torch.float32)
     batch.rewards, feedbacks = rewards.tolist(), [f for _, f in scored]
     t_reward = time.time() - t0
@@ -1277,9 +1283,10 @@ def evaluate(model, tokenizer, tasks, *, n, temperature, top_p, max_new_tokens, 
                        temperature=temperature, top_p=top_p, eos_ids=eos_ids, pad_id=tokenizer.pad_token_id,
                        generator=generator, static=static)
         decoded = tokenizer.batch_decode(out.response_ids, skip_special_tokens=True)
+        scored = rewards_of([task for task in chunk for _ in range(n)], decoded, math_checker)
         for i, task in enumerate(chunk):
             rows = range(i * n, (i + 1) * n)
-            scores.append([reward(task["kind"], decoded[r], task["answer"], math_checker)[0] for r in rows])
+            scores.append([scored[r][0] for r in rows])
             texts.append([decoded[r] for r in rows])
             lengths.extend(len(out.response_ids[r]) for r in rows)
     return {**accuracy_summary(scores, threshold=success_threshold), "mean_len": sum(lengths) / len(lengths),

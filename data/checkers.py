@@ -38,7 +38,8 @@ def final_answer(kind, response):
     """The final answer the checker of `kind` reads, or None when there is none (or it is blank).
 
     math: the last \\boxed{}; exact: the last <answer>…</answer>; mcq: that tag, else a
-    \\boxed{}, else "the answer is (X)"; tool: the Action names. Used to measure empty answers."""
+    \\boxed{}, else "the answer is (X)"; tool: the Action names; code: the last fenced block.
+    Used to measure empty answers."""
     try:
         text = "" if response is None else str(response)
         if kind == "math":
@@ -53,6 +54,8 @@ def final_answer(kind, response):
                 got = _answer_is_letter(text)
         elif kind == "tool":
             got = " ".join(name for name, _ in _parse_tool_calls(text)[0])
+        elif kind == "code":
+            got = code_block(text)[0]
         else:
             got = text
     except Exception:  # hostile text never raises

@@ -516,6 +516,20 @@ def test_check_batch_scores_a_mixed_batch_like_one_reward_call_each():
     assert [s for s, _ in batch] == [1.0, 1.0, 0.0, 0.0, 0.0]
 
 
+def test_the_loop_scores_a_rollout_through_the_pool_as_one_reward_call_each():
+    """train.rewards_of (build_batch's and evaluate's scoring) = train.reward per response, the code
+    ones run together on the sandbox pool."""
+    tasks_ = [{"kind": "code", "answer": ADD}, {"kind": "math", "answer": "4"}, {"kind": "code", "answer": ADD}]
+    responses = [py("a, b = map(int, input().split())\nprint(a + b)"), "\\boxed{4}", py("print(0)")]
+    assert train.rewards_of(tasks_, responses) == [train.reward(t["kind"], r, t["answer"]) for t, r in zip(tasks_, responses)]
+    assert [s for s, _ in train.rewards_of(tasks_, responses)] == [1.0, 1.0, 0.0]
+
+
+def test_the_empty_answer_rate_reads_a_code_response_s_last_fenced_block():
+    assert C.final_answer("code", "first\n" + py("print(1)")).strip() == "print(1)"
+    assert C.final_answer("code", "no program here") is None
+
+
 @pytest.mark.parametrize("mode", ["uid", "user", "none"])
 def test_the_lesser_isolation_modes_still_run_and_judge_programs(mode):
     """The paths a machine without namespaces (root in a container: the uid only) or a non-root account
