@@ -409,6 +409,26 @@ def prompt_ids(tokenizer, messages, enable_thinking=False):
     return tokenizer.encode("\n".join(m["content"] for m in messages) + "\n", add_special_tokens=True)
 
 
+def fit_prompt(tokenizer, build, demo, limit, enable_thinking=False):
+    """(token ids, shortened?) of the prompt build(demo) (chat messages around a demonstration text
+    demo, or None) in at most `limit` tokens: the demonstration is shortened to its end (where the
+    answer is), the rest kept (system turn, question, instruction); only a prompt that is too long
+    without any demonstration keeps its last `limit` tokens."""
+    ids = prompt_ids(tokenizer, build(demo), enable_thinking)
+    if len(ids) <= limit:
+        return ids, False
+    demo_ids = tokenizer.encode(demo, add_special_tokens=False) if demo else []
+    keep = len(demo_ids) - (len(ids) - limit)
+    for _ in range(4):  # re-tokenising the joined text can differ by a few tokens: shrink until it fits
+        if keep <= 0:
+            break
+        ids = prompt_ids(tokenizer, build(tokenizer.decode(demo_ids[-keep:])), enable_thinking)
+        if len(ids) <= limit:
+            return ids, True
+        keep -= len(ids) - limit
+    return ids[-limit:], True
+
+
 def context_length(model):
     config = model.config.get_text_config()
     return getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
@@ -557,6 +577,31 @@ def make_autocast(dev, dtype_name):
     """A context factory: torch.autocast at amp_dtype, or a no-op."""
     amp = amp_dtype(dev, dtype_name)
     return functools.partial(torch.autocast, dev.type, dtype=amp) if amp else contextlib.nullcontext
+
+
+@functools.lru_cache(maxsize=None)
+def has_fp32_out_gemm(device_type):
+    """Whether torch.mm / addmm take bf16 inputs with out_dtype=float32 here (CUDA in recent torch;
+    not the CPU): one GEMM that accumulates and writes fp32, no bf16 product to copy or add."""
+    try:
+        a = torch.ones(2, 2, dtype=torch.bfloat16, device=device_type)
+        out = torch.mm(a, a, out_dtype=torch.float32)
+        torch.addmm(out, a, a, out_dtype=torch.float32, out=out)
+        return out.dtype == torch.float32 and bool((out == 4).all())
+    except (RuntimeError, NotImplementedError, TypeError):
+        return False
+
+
+def fp32_out_mm(out, a, b, accumulate):
+    """out (+)= a @ b in one fp32-output GEMM (bf16 a, b; fp32 out) where torch has it; False (nothing
+    done) where it does not, and the caller takes the bf16 product instead."""
+    if not has_fp32_out_gemm(out.device.type):
+        return False
+    if accumulate:
+        torch.addmm(out, a, b, out_dtype=out.dtype, out=out)
+    else:
+        torch.mm(a, b, out_dtype=out.dtype, out=out)
+    return True
 
 
 def enable_grad_checkpointing(model):

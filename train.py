@@ -84,10 +84,10 @@ import metrics
 from configurator import UserError, check_seed, check_template, require
 from metrics import Collapse
 from data import checkers, tasks as task_files
-from models import (Dist, amp_dtype, context_length, disable_dropout, enable_grad_checkpointing, eval_mode, fit_tasks,
-                    forward_with_cache, frozen_copy, has_chat_template, lm_head, load_model, make_autocast, new_cache,
-                    pad_batch, prompt_budget, prompt_ids, response_hidden, shared_prompt_hidden, static_decoding,
-                    StepMemory, stop_token_ids, takes_position_ids, use_static_rollout)
+from models import (Dist, StepMemory, amp_dtype, context_length, disable_dropout, enable_grad_checkpointing, eval_mode,
+                    fit_prompt, fit_tasks, forward_with_cache, fp32_out_mm, frozen_copy, has_chat_template, lm_head,
+                    load_model, make_autocast, new_cache, pad_batch, prompt_budget, prompt_ids, response_hidden,
+                    shared_prompt_hidden, static_decoding, stop_token_ids, takes_position_ids, use_static_rollout)
 
 # ----------------------------------------------------------------------------- defaults
 # Every line `name = value  # help` below is a config key: config files and --name=value
@@ -213,9 +213,8 @@ NON_NEGATIVE = ("gen_batch_size", "warmup_iters", "eval_interval", "eval_max_pro
 
 def check_config(cfg):
     """Validate values that a type check cannot: choices, ranges, formats, combinations."""
-    if cfg["dtype"] == "float16":  # the per-token gradients (~1e-9) would flush to zero without loss scaling
-        raise UserError("dtype=float16 is not supported (no loss scaling: its small gradients flush to zero): "
-                        "use dtype=bfloat16")
+    if cfg["dtype"] == "float16":  # per-token gradients (~1e-9) flush to zero in fp16 without loss scaling
+        raise UserError("dtype=float16 is not supported (no loss scaling: its small gradients flush to zero): use bfloat16")
     for key, options in CHOICES.items():
         if cfg[key] not in options:
             raise UserError(f"{key}={cfg[key]!r} is not one of {', '.join(options)}")
@@ -389,9 +388,8 @@ def decode(model, prompts, *, group_size, max_new_tokens, temperature, top_p, eo
     if position is not None:
         position = position[:, -1:].repeat_interleave(group_size, 0)
     rows = logits.shape[0]
-    step, fast = forward_with_cache, static and static_decoding(model, cache, mask, max_new_tokens)
-    if fast:  # None for sliding-window models
-        cache, mask, step = fast
+    fast = static and static_decoding(model, cache, mask, max_new_tokens)  # None for sliding-window models
+    cache, mask, step = fast or (cache, mask, forward_with_cache)
     tokens, logps = [], []
     done = torch.zeros(rows, dtype=torch.bool, device=dev)
     for t in range(max_new_tokens):
@@ -529,8 +527,7 @@ def build_batch(tasks, model, tokenizer, cfg, generator, dev, *, autocast=contex
         inputs = teacher_inputs(batch.texts, batch.rewards, feedbacks, G, cfg)
         # the teacher reads its prompt and then the response: both must fit the model's context
         limit = min(cfg["max_reprompt_len"], (context_length(model) or math.inf) - cfg["max_new_tokens"])
-        task_messages = [tasks[i // G]["messages"] for i in range(len(inputs))]
-        batch.teacher_prompt_ids, cut = template_teacher_prompts(tokenizer, task_messages, inputs, cfg, limit)
+        batch.teacher_prompt_ids, cut = template_teacher_prompts(tokenizer, tasks, inputs, G, cfg, limit)
         masks = density_masks(lengths, cfg["density"], generator, cfg["density_select"])
         masks = [m if t is not None and k else torch.zeros_like(m) for m, t, k in zip(masks, batch.teacher_prompt_ids, kept)]
         n_distill = sum(int(m.sum()) for m in masks)
@@ -546,39 +543,20 @@ def build_batch(tasks, model, tokenizer, cfg, generator, dev, *, autocast=contex
     return batch, metrics
 
 
-def template_teacher_prompts(tokenizer, messages, inputs, cfg, limit):
-    """Each row's task messages and teacher inputs (teacher_inputs) -> the teacher prompt's token
-    ids (None stays None), each distinct one templated once (a group's rows mostly share one).
-    Longer than `limit`: the demonstration is shortened to its end (where the answer is), keeping
-    the system turn, the question and the instruction; only a prompt that is too long without any
-    demonstration keeps its last `limit` tokens. Returns (ids per row, how many were shortened)."""
+def template_teacher_prompts(tokenizer, tasks, inputs, group_size, cfg, limit):
+    """Each row's task (tasks[i // group_size]) and teacher inputs -> the teacher prompt's ids (None
+    stays None), each distinct one templated once (a group's rows mostly share one), at most `limit`
+    long (models.fit_prompt shortens the demonstration). Returns (ids per row, how many were cut)."""
     templated, out, cut = {}, [], 0
-    for msgs, x in zip(messages, inputs):
+    for msgs, x in zip((tasks[i // group_size]["messages"] for i in range(len(inputs))), inputs):
         key = x and json.dumps([msgs, x])
         if key not in templated:
-            templated[key] = x and fit_teacher_prompt(tokenizer, msgs, *x, cfg, limit)
+            build = lambda demo: teacher_messages(msgs, demo, x[1], cfg)  # noqa: E731 (called right away)
+            templated[key] = x and fit_prompt(tokenizer, build, x[0], limit, cfg["enable_thinking"])
         ids, shortened = templated[key] or (None, False)
         out.append(ids)
         cut += shortened
     return out, cut
-
-
-def fit_teacher_prompt(tokenizer, messages, peer, feedback, cfg, limit):
-    """(token ids, shortened?) of one teacher prompt at most `limit` tokens long (template_teacher_prompts)."""
-    ids = prompt_ids(tokenizer, teacher_messages(messages, peer, feedback, cfg), cfg["enable_thinking"])
-    if len(ids) <= limit:
-        return ids, False
-    demo = tokenizer.encode(peer, add_special_tokens=False) if peer else []
-    keep = len(demo) - (len(ids) - limit)
-    for _ in range(4):  # re-tokenising the joined text can differ by a few tokens: shrink until it fits
-        if keep <= 0:
-            break
-        ids = prompt_ids(tokenizer, teacher_messages(messages, tokenizer.decode(demo[-keep:]), feedback, cfg),
-                         cfg["enable_thinking"])
-        if len(ids) <= limit:
-            return ids, True
-        keep -= len(ids) - limit
-    return ids[-limit:], True
 
 
 def distill_weights(masks, agg, scale, global_sum=list):
@@ -771,45 +749,19 @@ def naive_token_loss(hidden, weight, tokens, loss_fn, teacher=None, div_rows=Non
 # fp32 accumulation inside each product); the softmax and divergence maths is fp32 (fp64 for
 # fp64 inputs, for the tests).
 
-@functools.lru_cache(maxsize=None)
-def fp32_out_gemm(device_type):
-    """Whether torch.mm / addmm take bf16 inputs with out_dtype=float32 here (CUDA in recent torch;
-    not the CPU): one GEMM that accumulates and writes fp32, with no bf16 product to copy or add."""
-    try:
-        a = torch.ones(2, 2, dtype=torch.bfloat16, device=device_type)
-        out = torch.mm(a, a, out_dtype=torch.float32)
-        torch.addmm(out, a, a, out_dtype=torch.float32, out=out)
-        return out.dtype == torch.float32 and bool((out == 4).all())
-    except (RuntimeError, NotImplementedError, TypeError):
-        return False
-
-
-def _mm_into(out, a, b, accumulate):
-    """out (+)= a @ b for bf16 a, b and an fp32 out: one fp32-output GEMM where torch has it, else the
-    bf16 product (tensor cores, fp32 accumulation inside) copied or added in."""
-    if fp32_out_gemm(out.device.type):
-        if accumulate:
-            torch.addmm(out, a, b, out_dtype=out.dtype, out=out)
-        else:
-            torch.mm(a, b, out_dtype=out.dtype, out=out)
-    elif accumulate:
-        out.add_(a @ b)
-    else:
-        out.copy_(a @ b)
-
-
 def _logits_into(buf, parts, transposed=False):
     """sum_i h_i @ w_i.T over parts [(h_i [c, H], w_i [V, H])] as fp32 (the buffer's dtype) [c, V],
-    written into the flat buffer buf. Same-dtype products write straight into it; bf16 products
-    go through _mm_into. transposed=True (same dtype only) computes w @ h.T
-    instead (MKL is ~1.4x faster at it for few rows) and returns its transpose, a strided view:
-    fine for elementwise ops, reductions and gathers, slow for topk."""
+    written into the flat buffer buf. Same-dtype products write straight into it, bf16 ones too where
+    torch has fp32-output GEMMs (CUDA; else taken in bf16 and copied in). transposed=True (same dtype
+    only) computes w @ h.T (MKL is ~1.4x faster at it for few rows) and returns its transpose, a
+    strided view: fine for elementwise ops, reductions and gathers, slow for topk."""
     c, V = parts[0][0].shape[0], parts[0][1].shape[0]
     out = buf[: c * V].view(V, c) if transposed else buf[: c * V].view(c, V)
     for i, (h, w) in enumerate(parts):
         a, b = (w, h.T) if transposed else (h, w.T)
         if a.dtype != out.dtype:
-            _mm_into(out, a, b, accumulate=i > 0)
+            if not fp32_out_mm(out, a, b, accumulate=i > 0):  # no fp32-output GEMM here: a bf16 product
+                out.add_(a @ b) if i else out.copy_(a @ b)
         elif i == 0:
             torch.mm(a, b, out=out)
         else:
@@ -824,8 +776,7 @@ def _add_product(acc, a, b, rows_per_slice=16384):
     if a.dtype == acc.dtype:
         acc.addmm_(a, b)
         return
-    if fp32_out_gemm(acc.device.type):
-        _mm_into(acc, a, b, accumulate=True)
+    if fp32_out_mm(acc, a, b, accumulate=True):
         return
     for r in range(0, acc.shape[0], rows_per_slice):
         acc[r:r + rows_per_slice] += a[r:r + rows_per_slice] @ b
@@ -1500,8 +1451,8 @@ def train_loop(run, cfg, ddp):
     total_iters = sum(iters for _, iters in run["stages"])
     share = cfg["batch_prompts"] // ddp.world
     autocast = make_autocast(dev, cfg["dtype"])
-    step_memory = StepMemory()  # the train step's measured peak (CUDA)
-    batch, my_tasks, stuck = None, None, {}  # stuck: consecutive iterations per warning (metrics.stuck_warnings)
+    # stuck: consecutive iterations per warning (metrics.stuck_warnings); step_memory: the train step's peak (CUDA)
+    step_memory, batch, my_tasks, stuck = StepMemory(), None, None, {}
     log_vocab = math.log(model.get_output_embeddings().weight.shape[0])  # the runaway-loss guard's scale
     if state["iter"] == 0:  # the initial model: the guard's first bests, and ckpt_good until an eval passes
         base = run_eval(run, cfg, ddp, "start")[0]

@@ -299,12 +299,12 @@ def test_a_teacher_prompt_over_max_reprompt_len_keeps_the_system_turn_and_the_qu
     peer = "step " * 60 + "\\boxed{42}"
     full = models.prompt_ids(tok, train.teacher_messages(messages, peer, None, cfg))
     limit = len(full) - 40
-    (ids, short), cut = train.template_teacher_prompts(tok, [messages, messages], [(peer, None), None], cfg, limit)
+    (ids, short), cut = train.template_teacher_prompts(tok, [{"messages": messages}] * 2, [(peer, None), None], 1, cfg, limit)
     assert cut == 1 and short is None and len(ids) <= limit
     text = tok.decode(ids)
     assert text.startswith(tok.decode(full[:8])) and "Answer briefly." in text and "12+30" in text
     assert text.endswith(tok.decode(full[-12:])) and "\\boxed{42}" in text  # the instruction and the answer stay
-    (same, _), cut = train.template_teacher_prompts(tok, [messages] * 2, [(peer, None)] * 2, cfg, len(full))
+    (same, _), cut = train.template_teacher_prompts(tok, [{"messages": messages}], [(peer, None)] * 2, 2, cfg, len(full))
     assert cut == 0 and same == full
 
 
