@@ -243,9 +243,9 @@ def check_config(cfg):
                         "teacher=frozen or ema (live is the student, trust_region mixes in the initial model)")
     parse_stages(cfg["stages"], cfg["dataset"], cfg["max_iters"])
     check_seed(cfg["seed"])
-    for key, fields in {"reprompt_template": "prompt solution feedback", "solution_template": "solution",
+    for key, names in {"reprompt_template": "prompt solution feedback", "solution_template": "solution",
                         "feedback_template": "feedback"}.items():  # each tried now, not at the first teacher prompt
-        check_template(key, cfg[key], fields.split())
+        check_template(key, cfg[key], names.split())
 
 
 def parse_stages(stages, dataset, max_iters):
