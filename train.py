@@ -1260,7 +1260,8 @@ def setup(cfg, ddp, stack):
     wandb = require("wandb", "wandb_log=True") if cfg["wandb_log"] and ddp.master else None  # optional packages
     if cfg["math_checker"] == "math_verify":
         require("math_verify", "math_checker=math_verify", "math-verify")
-    data = checkpoint.fingerprints(cfg["data_dir"], [(n, "train") for n in train_tasks] + [(n, "test") for n in eval_tasks])
+    data = checkpoint.fingerprints(task_files.resolve(cfg["data_dir"]),
+                                   [(n, "train") for n in train_tasks] + [(n, "test") for n in eval_tasks])
     state = {"iter": 0, "stage": 0, "stage_iter": 0, "accuracy_matrix": None, "base_init": cfg["init_from"],
              "world": ddp.world, "data": data}  # the last two: what a resumed run checks it runs on
     guard = None  # the collapse guard's memory: a fresh run's starts at its first eval (train_loop)
