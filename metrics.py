@@ -162,23 +162,26 @@ class Guard:
     losses: list = dataclasses.field(default_factory=list)  # the last MEDIAN_OVER losses
 
 
-def eval_problems(row, lengths, best):
-    """What makes an eval unhealthy, one phrase per eval set (none: healthy): mean@n below
-    COLLAPSED_BELOW of the set's best, or (nearly) empty responses."""
+def eval_problems(row, lengths, best, trained=None):
+    """What makes an eval unhealthy, one phrase per eval set (none: healthy): (nearly) empty
+    responses, or mean@n below COLLAPSED_BELOW of the set's best. `trained`: the sets judged by that
+    relative rule (None: all); the others (a continual run's earlier domains, whose forgetting is
+    what the run measures) are unhealthy only at zero after a best above it."""
     out = []
     for name, acc in row.items():
+        floor = COLLAPSED_BELOW * best.get(name, 0.0) if trained is None or name in trained else 0.0
         if lengths[name] < EMPTY_RESPONSE:
             out.append(f"{name} answers nothing (mean response {lengths[name]:.1f} tokens)")
-        elif acc < COLLAPSED_BELOW * best.get(name, 0.0):
+        elif acc < floor or (acc == 0.0 < best.get(name, 0.0)):
             out.append(f"{name} fell to {acc:.3f} from its best {best[name]:.3f}")
     return out
 
 
-def check_eval(guard, row, lengths, cfg):
+def check_eval(guard, row, lengths, cfg, trained=None):
     """One eval through the guard: True when healthy (the checkpoint that follows becomes ckpt_good).
     After cfg's collapse_patience unhealthy evals in a row it raises Collapse (with stop_on_collapse;
-    else it only counts)."""
-    problems = eval_problems(row, lengths, guard.best)
+    else it only counts). trained: as in eval_problems."""
+    problems = eval_problems(row, lengths, guard.best, trained)
     guard.best.update({name: max(guard.best.get(name, 0.0), acc) for name, acc in row.items()})
     guard.bad_evals = guard.bad_evals + 1 if problems else 0
     if cfg["stop_on_collapse"] and guard.bad_evals >= cfg["collapse_patience"]:

@@ -1413,11 +1413,17 @@ def start_stage(run, cfg):
         run["teacher_model"].load_state_dict(source.state_dict())
 
 
+def trained_sets(run, stage_name):
+    """The eval sets the collapse guard judges against half their best: all in a one-stage run; in
+    a continual run the current stage's own (an earlier domain may be forgotten, down to zero)."""
+    return set(stage_name.split("+")) if len(run["stages"]) > 1 else None
+
+
 def end_stage(run, cfg, ddp, stage, name):
     """A row of the accuracy matrix (every eval set), a model snapshot, a checkpoint."""
     state = run["state"]
     row, lengths = run_eval(run, cfg, ddp, f"end of stage {stage + 1}")
-    passed = row if metrics.check_eval(run["guard"], row, lengths, cfg) else None  # may stop the run
+    passed = row if metrics.check_eval(run["guard"], row, lengths, cfg, trained_sets(run, name)) else None  # may stop
     state["accuracy_matrix"]["stages"].append(name)
     state["accuracy_matrix"]["rows"].append([row[s] for s in run["eval_names"]])
     if ddp.master:
@@ -1508,7 +1514,7 @@ def train_loop(run, cfg, ddp):
             if eval_due:
                 run["log"].samples(metrics.sample_rows(batch, my_tasks, cfg["group_size"], decode, state["iter"]))
                 row, lengths = run_eval(run, cfg, ddp, "periodic")
-                passed = row if metrics.check_eval(run["guard"], row, lengths, cfg) else None  # may stop the run
+                passed = row if metrics.check_eval(run["guard"], row, lengths, cfg, trained_sets(run, name)) else None
             if (eval_due and not cfg["save_interval"]) or (
                     cfg["save_interval"] and state["iter"] % cfg["save_interval"] == 0 and not last):
                 save_checkpoint(run, cfg, ddp, passed=passed)

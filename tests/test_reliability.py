@@ -199,6 +199,22 @@ def test_the_guard_judges_every_set_against_its_own_best():
     assert empty.bad_evals == 3 and empty.best == {"a": 0.3}
 
 
+def test_in_a_continual_run_an_earlier_domain_may_be_forgotten_but_not_zeroed():
+    """Forgetting an earlier stage's domain is what a continual run measures: only the current
+    stage's sets are held to half their best; an earlier one is a collapse only at zero."""
+    patience1 = {"collapse_patience": 1, "stop_on_collapse": True}
+    guard = metrics.Guard(best={"add": 0.6, "mul": 0.4})
+    long = {"add": 5.0, "mul": 5.0}
+    assert metrics.check_eval(guard, {"add": 0.1, "mul": 0.4}, long, patience1, trained={"mul"})  # add forgotten
+    with pytest.raises(metrics.Collapse, match="mul fell to 0.100"):  # the domain being trained halved
+        metrics.check_eval(guard, {"add": 0.6, "mul": 0.1}, long, patience1, trained={"mul"})
+    with pytest.raises(metrics.Collapse, match="add fell to 0.000"):  # an earlier domain wiped out
+        metrics.check_eval(metrics.Guard(best={"add": 0.6, "mul": 0.4}), {"add": 0.0, "mul": 0.4}, long, patience1,
+                           trained={"mul"})
+    assert train.trained_sets({"stages": [("add", 3), ("mul+sub", 3)]}, "mul+sub") == {"mul", "sub"}
+    assert train.trained_sets({"stages": [("add", 3)]}, "add") is None  # one stage: every set held to half its best
+
+
 def test_a_loss_that_runs_away_at_the_first_steps_stops_the_run_keeping_the_initial_model(toy_data, tmp_path):
     """SFT at lr 10 diverges from its second step; no running median exists yet, so the absolute
     bound (10 × ln vocab) stops it, and ckpt_good is the initial model, not the diverged one."""
