@@ -5,7 +5,7 @@
 # in the teacher's prompt when no peer succeeded -- their best teacher context. Two differences, on
 # purpose: one optimizer step per batch (theirs: ppo_mini_batch_size=1, several steps per batch) and
 # Qwen3-4B (their 8B's training state fits no single GPU here). Needs an H200-class GPU (estimate:
-# python tests/memory_estimate.py --config=config/sdpo_code.py) and the data:
+# python tests/bench/memory_estimate.py --config=config/sdpo_code.py) and the data:
 #   python data/livecodebench/prepare.py --train_split && python data/humaneval/prepare.py
 #   python train.py config/sdpo_code.py
 out_dir = "out/sdpo_code"
@@ -39,7 +39,7 @@ eval_interval = 25
 save_interval = 25
 # memory: decode 32 rows at a time, recompute blocks in the backward, 4 sequences a micro-batch (LCB
 # prompts run to ~2k tokens): ~122 GB estimated with
-#   python tests/memory_estimate.py --config=config/sdpo_code.py --prompt_tokens=2048
+#   python tests/bench/memory_estimate.py --config=config/sdpo_code.py --prompt_tokens=2048
 gen_batch_size = 32
 grad_checkpointing = True
 micro_batch_size = 4
