@@ -214,3 +214,16 @@ def test_eval_and_sample_run_on_the_smollm2_sdpo_checkpoint(sdpo_run, tmp_path):
     lines = proc.stdout.splitlines()  # a response may span lines: its reward ends the last one
     assert sum(line.startswith("### What is the capital of") for line in lines) == 2
     assert sum(line.startswith("--> ") for line in lines) == 4 and proc.stdout.count("  [reward ") == 4, proc.stdout
+
+
+def test_the_cached_folder_is_reused_only_when_its_conversion_finished(smollm2_dir, tmp_path):
+    """The stamp is written last, inside the temp folder, before the rename: a folder without it (an
+    interrupted copy, an older conversion) is converted again rather than trusted."""
+    assert smollm2.is_converted(smollm2_dir) and smollm2.converted_model(smollm2_dir) == smollm2_dir
+    partial = tmp_path / "partial"
+    partial.mkdir()
+    for name in ("config.json", "tokenizer_config.json"):
+        (partial / name).write_bytes(open(os.path.join(smollm2_dir, name), "rb").read())
+    assert not smollm2.is_converted(str(partial))
+    (partial / smollm2.STAMP).write_text(json.dumps({"conversion": smollm2.CONVERSION - 1}))
+    assert not smollm2.is_converted(str(partial))
