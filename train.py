@@ -742,299 +742,6 @@ def naive_token_loss(hidden, weight, tokens, loss_fn, teacher=None, div_rows=Non
     return loss, {k: v.detach().float() for k, v in stats.items()}
 
 
-# ----------------------------------------------------------------------------- the fused loss
-# The same loss as naive_token_loss without any [N, V] tensor: rows are processed in chunks, and
-# the gradients for hidden and weight are computed during the forward, so no [chunk, V] tensor
-# outlives its chunk. The matmuls run in the matmul dtype (bf16 under autocast: tensor cores,
-# fp32 accumulation inside each product); the softmax and divergence maths is fp32 (fp64 for
-# fp64 inputs, for the tests).
-
-def _logits_into(buf, parts, transposed=False):
-    """sum_i h_i @ w_i.T over parts [(h_i [c, H], w_i [V, H])] as fp32 (the buffer's dtype) [c, V],
-    written into the flat buffer buf. Same-dtype products write straight into it, bf16 ones too where
-    torch has fp32-output GEMMs (CUDA; else taken in bf16 and copied in). transposed=True (same dtype
-    only) computes w @ h.T (MKL is ~1.4x faster at it for few rows) and returns its transpose, a
-    strided view: fine for elementwise ops, reductions and gathers, slow for topk."""
-    c, V = parts[0][0].shape[0], parts[0][1].shape[0]
-    out = buf[: c * V].view(V, c) if transposed else buf[: c * V].view(c, V)
-    for i, (h, w) in enumerate(parts):
-        a, b = (w, h.T) if transposed else (h, w.T)
-        if a.dtype != out.dtype:
-            if not fp32_out_mm(out, a, b, accumulate=i > 0):  # no fp32-output GEMM here: a bf16 product
-                out.add_(a @ b) if i else out.copy_(a @ b)
-        elif i == 0:
-            torch.mm(a, b, out=out)
-        else:
-            out.addmm_(a, b)
-    return out.T if transposed else out
-
-
-def _add_product(acc, a, b, rows_per_slice=16384):
-    """acc += a @ b. When a, b are bf16 and acc fp32: one fp32-output GEMM where torch has it
-    (no read-modify-write of acc through a bf16 temporary), else the product in bf16 (tensor cores)
-    a slice of acc's rows at a time, so the bf16 temporary stays small."""
-    if a.dtype == acc.dtype:
-        acc.addmm_(a, b)
-        return
-    if fp32_out_mm(acc, a, b, accumulate=True):
-        return
-    for r in range(0, acc.shape[0], rows_per_slice):
-        acc[r:r + rows_per_slice] += a[r:r + rows_per_slice] @ b
-
-
-def _gathered_logits(parts, idx, max_elems):
-    """sum_i <h_i[r], w_i[idx[r, j]]> for parts [(h_i [n, H], w_i [V, H])] and idx [n, k]: logits
-    at a few vocab entries per row without the [n, V] product; row blocks keep the gathered
-    [rows, k, H] weights under max_elems (or 32 rows)."""
-    n, k = idx.shape
-    V, H = parts[0][1].shape
-    dt = torch.promote_types(parts[0][0].dtype, torch.float32)
-    if 4 * k >= V:  # k is a large share of the vocab: one [n, V] product is cheaper than gathering w rows
-        return sum(h @ w.T for h, w in parts).gather(1, idx).to(dt)
-    out = torch.empty(n, k, dtype=dt, device=idx.device)
-    step = max(32, max_elems // (k * H))  # at least 32 rows per bmm: never a loop over single rows
-    for r in range(0, n, step):
-        acc = 0
-        for h, w in parts:
-            acc = acc + torch.bmm(w[idx[r:r + step]], h[r:r + step, :, None]).squeeze(2)
-        out[r:r + step] = acc
-    return out
-
-
-def _full_divergence_and_grad(s, t, p, alpha):
-    """Full-vocab divergence [n] of student log-probs s from teacher log-probs t (p = exp(s)) and
-    its gradient w.r.t. the student logits [n, V], in closed form. s is used as scratch."""
-    if alpha == 0:  # KL(q||p); grad p - q
-        q = t.exp()
-        d = (q * (t - s)).sum(1)
-        return d, q.neg_().add_(p)
-    if alpha == 1:  # KL(p||q); grad p (log p - log q - KL)
-        r = s.sub_(t)
-        d = (p * r).sum(1)
-        return d, r.sub_(d[:, None]).mul_(p)
-    # JSD; grad (1 - alpha) p (log p - log m - KL(p||m))
-    log_m = torch.logaddexp(s + math.log(1 - alpha), t + math.log(alpha))
-    kl_qm = (t.exp() * (t - log_m)).sum(1)
-    s_m = s.sub_(log_m)
-    del log_m
-    kl_pm = (p * s_m).sum(1)
-    d = (1 - alpha) * kl_pm + alpha * kl_qm
-    return d, s_m.sub_(kl_pm[:, None]).mul_(p).mul_(1 - alpha)
-
-
-def _teacher_chunk(t_parts, buf, y, full, transposed):
-    """The teacher's log-normaliser pieces for a chunk's distillation rows: (log-prob at y [nd],
-    row max [nd], log-normaliser [nd], full log-probs [nd, V] or None). Log-probs are computed as
-    (z - max) - log_norm, in that order, so they are precise near the max (top-k buckets need it)."""
-    zt = _logits_into(buf, t_parts, transposed)
-    zt_y = zt.gather(1, y).squeeze(1)
-    t_max = zt.amax(1)
-    zt.sub_(t_max[:, None])
-    if full:
-        t_log_norm = torch.logsumexp(zt, 1)
-        return zt_y - t_max - t_log_norm, t_max, t_log_norm, zt.sub_(t_log_norm[:, None])
-    t_log_norm = zt.exp_().sum(1).log()
-    return zt_y - t_max - t_log_norm, t_max, t_log_norm, None
-
-
-def _loss_grads(loss_fn, logp, div, tlogp, *, rows, d_idx, distill, topk_graph):
-    """The caller's loss on a chunk's [c] vectors, and by a tiny local autograd: d loss / d logp [c],
-    d loss / d div at the distillation rows [nd] (None for "token", where div is a constant), and
-    back through the top-k buckets d loss / d s_k [nd, k] (topk_graph: the divergence and s_k)."""
-    with torch.enable_grad():
-        logp_leaf = logp.clone().requires_grad_()
-        div_leaf = div.clone().requires_grad_(distill != "token")
-        out = loss_fn(logp_leaf, div_leaf, tlogp, rows)
-        leaves = [logp_leaf, div_leaf] if distill != "token" else [logp_leaf]
-        grads = torch.autograd.grad(out, leaves, allow_unused=True) if out.requires_grad else [None] * len(leaves)
-        g_logp = grads[0] if grads[0] is not None else torch.zeros_like(logp)
-        g_div = grads[1][d_idx] if distill != "token" and grads[1] is not None else None
-        g_sk = None
-        if topk_graph is not None and g_div is not None:
-            (g_sk,) = torch.autograd.grad(topk_graph[0], topk_graph[1], grad_outputs=g_div)
-    return out, g_logp, g_div, g_sk
-
-
-def _logit_grads(p, *, log_norm, y, g_logp, d_idx, all_div, g_sk, top_idx, ddiv_dz, g_div):
-    """d loss / d z for a chunk, in place in the probability buffer p (normalised, or exp(z - max)
-    with its log_norm). With s = log_softmax(z): dL/dz = G - p * sum(G), G = dL/ds, which is sparse
-    but for "full": nonzero at y (from logp) and at the top-k (g_sk); "full" adds its closed-form
-    divergence gradient ddiv_dz, scaled by g_div."""
-    g_sum = g_logp.clone()
-    if g_sk is not None:
-        g_sum[d_idx] += g_sk.sum(1)
-    scale = -g_sum if log_norm is None else -g_sum * torch.exp(-log_norm)
-    dz = p.mul_(scale[:, None])
-    dz.scatter_add_(1, y, g_logp[:, None])
-    if g_sk is not None and all_div:
-        dz.scatter_add_(1, top_idx, g_sk)
-    elif g_sk is not None:
-        dz.index_put_((d_idx[:, None].expand_as(top_idx), top_idx), g_sk, accumulate=True)
-    if ddiv_dz is not None:
-        ddiv_dz.mul_(g_div[:, None])
-        if all_div:
-            dz.add_(ddiv_dz)
-        else:
-            dz.index_add_(0, d_idx, ddiv_dz)
-    return dz
-
-
-class _FusedTokenLoss(torch.autograd.Function):
-    """Chunked forward that also computes d loss / d hidden and d loss / d weight (the output is a
-    scalar, so the backward only has to scale them). Per chunk of rows, in order: the teacher's
-    logits (distillation rows only), the student's logits and softmax, the divergence, the
-    caller's loss and its gradient w.r.t. log-probs and divergence, then d loss / d logits and
-    the two products that carry it to hidden and weight."""
-
-    @staticmethod
-    def forward(ctx, hidden, weight, tokens, loss_fn, teacher, div_mask, alpha, distill, topk, tail, temperature,
-                chunk_size, matmul_dtype):
-        N, H = hidden.shape
-        V, dev = weight.shape[0], hidden.device
-        mm = matmul_dtype or hidden.dtype  # matmul dtype
-        dt = torch.promote_types(mm, torch.float32)  # softmax / divergence dtype
-        need_gh, need_gw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        tokens = tokens.long()
-        full = distill == "full"
-        k = min(topk, V) if distill == "topk" else 0
-        w = weight.detach().to(mm)  # no copy when weight is already in mm
-        # teacher parts (hidden, weight, coef / T): the scale goes on the [rows, H] hidden states
-        teacher = [(h_t.detach(), w_t.detach().to(mm), float(coef) / temperature) for h_t, w_t, coef in teacher or []]
-        grad_h = torch.empty(N, H, dtype=dt, device=dev) if need_gh else None
-        grad_w = torch.zeros(V, H, dtype=torch.promote_types(weight.dtype, dt), device=dev) if need_gw else None
-        logp_all, div_all, tlogp_all, ent_all, mass_all = (torch.zeros(N, dtype=dt, device=dev) for _ in range(5))
-        total = torch.zeros((), dtype=dt, device=dev)
-        div_mask_cpu = div_mask.cpu()  # one host sync; per-chunk row lists are then free
-        # One [chunk, V] logits buffer reused by every chunk (no allocation and, on CPU, no page
-        # faults of freshly mapped memory per chunk): the teacher's pass runs first, then the
-        # student's logits overwrite it ("full" keeps the teacher's log-probs in a second buffer).
-        c_max = min(chunk_size, N)
-        z_buf = torch.empty(c_max * V, dtype=dt, device=dev)
-        t_buf = torch.empty(c_max * V, dtype=dt, device=dev) if full and div_mask_cpu.any() else z_buf
-        # on CPU the teacher's logits are computed transposed (faster): fine for all it needs
-        t_transposed = dev.type == "cpu" and not full and mm == dt
-
-        for a in range(0, N, chunk_size):
-            b = min(a + chunk_size, N)
-            c = b - a
-            h = hidden[a:b].detach()
-            h = (h / temperature if temperature != 1.0 else h).to(mm)  # the division in the input's precision
-            y = tokens[a:b, None]
-            d_local = div_mask_cpu[a:b].nonzero().squeeze(1)
-            nd = d_local.numel()
-            all_div = nd == c
-            d_idx = d_local.to(dev)  # rows of this chunk that get a divergence
-            tlogp = torch.zeros(c, dtype=dt, device=dev)
-            div = torch.zeros(c, dtype=dt, device=dev)
-
-            # ---- teacher (distillation rows only)
-            t = None
-            if nd:
-                t_parts = [((h_t[d_idx + a] * s).to(mm), w_t) for h_t, w_t, s in teacher]  # scaled in fp32
-                tlogp[d_idx], t_max, t_log_norm, t = _teacher_chunk(t_parts, t_buf, y[d_idx], full, t_transposed)
-
-            # ---- student: logits / T [c, V] -> p, in place in the buffer
-            z = _logits_into(z_buf, [(h, w)])
-            z_y = z.gather(1, y).squeeze(1)
-            if k and nd:  # top-k of every row (cheaper than copying out the rows of a mixed chunk)
-                z_k, top_idx = torch.topk(z, k, dim=1)
-                z_max = z_k[:, 0]  # the top-1 is the row max: saves a pass
-                if not all_div:
-                    z_k, top_idx = z_k[d_idx], top_idx[d_idx]
-                zt_k = _gathered_logits(t_parts, top_idx, max_elems=c_max * V // 8)  # teacher logits at the top-k
-            else:
-                z_max = z.amax(1)
-            z.sub_(z_max[:, None])
-            if full:
-                log_norm = torch.logsumexp(z, 1)
-                s_all = z.sub_(log_norm[:, None])  # log-probs, needed over the whole vocab
-                p = s_all.exp()
-                ent_all[a:b] = -(p * s_all).sum(1)
-            else:
-                p = z.exp_()  # unnormalised probs exp(z - max): p / exp(log_norm)
-                p_sum = p.sum(1)
-                log_norm = p_sum.log()
-                ent_all[a:b] = log_norm - torch.xlogy(p, p).sum(1) / p_sum
-            del z
-            logp = z_y - z_max - log_norm
-
-            # ---- divergence (and what its gradient needs)
-            ddiv_dz = d = s_k = None
-            if nd and distill == "topk":  # a small [nd, k] graph: the divergence of the top-k log-probs s_k
-                with torch.enable_grad():
-                    s_k = (z_k - z_max[d_idx, None] - log_norm[d_idx, None]).requires_grad_()
-                    t_k = zt_k - t_max[:, None] - t_log_norm[:, None]
-                    d = _divergence(*_topk_buckets(s_k, t_k, tail), alpha)
-                div[d_idx] = d.detach()
-                mass_all[a + d_idx] = s_k.detach().exp().sum(1)
-            elif nd and full:
-                d, ddiv_dz = _full_divergence_and_grad(s_all if all_div else s_all[d_idx], t, p if all_div else p[d_idx], alpha)
-                div[d_idx] = d
-            elif nd and distill == "token":
-                div[d_idx] = logp[d_idx] - tlogp[d_idx]
-            s_all = t = None
-
-            # ---- the caller's loss on the [c] vectors, and its gradients
-            out, g_logp, g_div, g_sk = _loss_grads(loss_fn, logp, div, tlogp, rows=slice(a, b), d_idx=d_idx, distill=distill,
-                                                   topk_graph=(d, s_k) if nd and distill == "topk" else None)
-            total += out.detach().to(dt)
-            logp_all[a:b], div_all[a:b], tlogp_all[a:b] = logp, div, tlogp
-            if not (need_gh or need_gw):
-                continue
-
-            # ---- d loss / d z, in place in the p buffer
-            dz = _logit_grads(p, log_norm=None if full else log_norm, y=y, g_logp=g_logp, d_idx=d_idx, all_div=all_div,
-                              g_sk=g_sk, top_idx=top_idx if g_sk is not None else None,
-                              ddiv_dz=ddiv_dz if g_div is not None else None, g_div=g_div)
-            ddiv_dz = None
-
-            # ---- chain through z = (h / T) @ W.T (the weight grad accumulates in fp32)
-            dz_mm = dz.to(mm)
-            if need_gh:
-                if mm == dt:
-                    torch.mm(dz_mm, w, out=grad_h[a:b])
-                else:
-                    grad_h[a:b] = dz_mm @ w
-            if need_gw:
-                _add_product(grad_w, dz_mm.T, h)
-            del p, dz, dz_mm
-
-        if need_gh:
-            grad_h = grad_h.div_(temperature).to(hidden.dtype)
-        if need_gw:
-            grad_w = grad_w.to(weight.dtype)
-        ctx.grads = (grad_h, grad_w)
-        stats = tuple(x.float() for x in (logp_all, div_all, tlogp_all, ent_all, mass_all))
-        ctx.mark_non_differentiable(*stats)
-        return (total,) + stats
-
-    @staticmethod
-    def backward(ctx, grad_out, *_):
-        if ctx.grads is None:
-            raise RuntimeError("fused_token_loss: backward can only run once (the gradients are handed over)")
-        grad_h, grad_w = ctx.grads
-        ctx.grads = None  # drop our references so autograd can take the tensors over without a copy
-        if grad_out.ne(1).item():
-            grad_h = grad_h * grad_out.to(grad_h.dtype) if grad_h is not None else None
-            grad_w = grad_w * grad_out.to(grad_w.dtype) if grad_w is not None else None
-        return (grad_h, grad_w) + (None,) * 11
-
-
-def fused_token_loss(hidden, weight, tokens, loss_fn, teacher=None, div_rows=None, *,
-                     alpha, distill, topk, tail, temperature=1.0, chunk_size=128, matmul_dtype=None):
-    """Same arguments, semantics and result as naive_token_loss, without any [N, V] tensor: rows
-    are processed in chunks of chunk_size, and the gradients for hidden and weight are computed
-    during the forward (the backward only scales them, and can run once). loss_fn is called once
-    per chunk with rows = slice(a, b); the loss is the sum of those calls. matmul_dtype (default:
-    hidden's dtype) is the dtype of the products, e.g. bfloat16 under autocast: the softmax and
-    divergence maths stays fp32. Extra memory: ~one [chunk_size, V] fp32 buffer (two for "full")
-    besides the weight gradient; on a GPU a larger chunk (512-1024) keeps the products efficient."""
-    div_mask = _div_rows(hidden, teacher, div_rows)
-    loss, *stats = _FusedTokenLoss.apply(hidden, weight, tokens, loss_fn, teacher, div_mask, alpha, distill, topk, tail,
-                                         temperature, chunk_size, matmul_dtype)
-    return loss, dict(zip(("logp", "div", "teacher_logp", "entropy", "topk_mass"), stats))
-
-
 @torch.no_grad()
 def sampled_logprobs(hidden, weight, tokens, temperature=1.0, chunk_size=128, matmul_dtype=None):
     """log-softmax(hidden @ weight.T / T) at tokens, [N] fp32, chunked, no grad (e.g. the
@@ -1522,6 +1229,300 @@ def train_loop(run, cfg, ddp):
         if batch is not None:
             run["log"].samples(metrics.sample_rows(batch, my_tasks, cfg["group_size"], decode, state["iter"]))
         end_stage(run, cfg, ddp, stage, name)
+
+
+# ----------------------------------------------------------------------------- the fused loss
+# The same loss as naive_token_loss without any [N, V] tensor: rows are processed in chunks, and
+# the gradients for hidden and weight are computed during the forward, so no [chunk, V] tensor
+# outlives its chunk. The matmuls run in the matmul dtype (bf16 under autocast: tensor cores,
+# fp32 accumulation inside each product); the softmax and divergence maths is fp32 (fp64 for
+# fp64 inputs, for the tests).
+
+def _logits_into(buf, parts, transposed=False):
+    """sum_i h_i @ w_i.T over parts [(h_i [c, H], w_i [V, H])] as fp32 (the buffer's dtype) [c, V],
+    written into the flat buffer buf. Same-dtype products write straight into it, bf16 ones too where
+    torch has fp32-output GEMMs (CUDA; else taken in bf16 and copied in). transposed=True (same dtype
+    only) computes w @ h.T (MKL is ~1.4x faster at it for few rows) and returns its transpose, a
+    strided view: fine for elementwise ops, reductions and gathers, slow for topk."""
+    c, V = parts[0][0].shape[0], parts[0][1].shape[0]
+    out = buf[: c * V].view(V, c) if transposed else buf[: c * V].view(c, V)
+    for i, (h, w) in enumerate(parts):
+        a, b = (w, h.T) if transposed else (h, w.T)
+        if a.dtype != out.dtype:
+            if not fp32_out_mm(out, a, b, accumulate=i > 0):  # no fp32-output GEMM here: a bf16 product
+                out.add_(a @ b) if i else out.copy_(a @ b)
+        elif i == 0:
+            torch.mm(a, b, out=out)
+        else:
+            out.addmm_(a, b)
+    return out.T if transposed else out
+
+
+def _add_product(acc, a, b, rows_per_slice=16384):
+    """acc += a @ b. When a, b are bf16 and acc fp32: one fp32-output GEMM where torch has it
+    (no read-modify-write of acc through a bf16 temporary), else the product in bf16 (tensor cores)
+    a slice of acc's rows at a time, so the bf16 temporary stays small."""
+    if a.dtype == acc.dtype:
+        acc.addmm_(a, b)
+        return
+    if fp32_out_mm(acc, a, b, accumulate=True):
+        return
+    for r in range(0, acc.shape[0], rows_per_slice):
+        acc[r:r + rows_per_slice] += a[r:r + rows_per_slice] @ b
+
+
+def _gathered_logits(parts, idx, max_elems):
+    """sum_i <h_i[r], w_i[idx[r, j]]> for parts [(h_i [n, H], w_i [V, H])] and idx [n, k]: logits
+    at a few vocab entries per row without the [n, V] product; row blocks keep the gathered
+    [rows, k, H] weights under max_elems (or 32 rows)."""
+    n, k = idx.shape
+    V, H = parts[0][1].shape
+    dt = torch.promote_types(parts[0][0].dtype, torch.float32)
+    if 4 * k >= V:  # k is a large share of the vocab: one [n, V] product is cheaper than gathering w rows
+        return sum(h @ w.T for h, w in parts).gather(1, idx).to(dt)
+    out = torch.empty(n, k, dtype=dt, device=idx.device)
+    step = max(32, max_elems // (k * H))  # at least 32 rows per bmm: never a loop over single rows
+    for r in range(0, n, step):
+        acc = 0
+        for h, w in parts:
+            acc = acc + torch.bmm(w[idx[r:r + step]], h[r:r + step, :, None]).squeeze(2)
+        out[r:r + step] = acc
+    return out
+
+
+def _full_divergence_and_grad(s, t, p, alpha):
+    """Full-vocab divergence [n] of student log-probs s from teacher log-probs t (p = exp(s)) and
+    its gradient w.r.t. the student logits [n, V], in closed form. s is used as scratch."""
+    if alpha == 0:  # KL(q||p); grad p - q
+        q = t.exp()
+        d = (q * (t - s)).sum(1)
+        return d, q.neg_().add_(p)
+    if alpha == 1:  # KL(p||q); grad p (log p - log q - KL)
+        r = s.sub_(t)
+        d = (p * r).sum(1)
+        return d, r.sub_(d[:, None]).mul_(p)
+    # JSD; grad (1 - alpha) p (log p - log m - KL(p||m))
+    log_m = torch.logaddexp(s + math.log(1 - alpha), t + math.log(alpha))
+    kl_qm = (t.exp() * (t - log_m)).sum(1)
+    s_m = s.sub_(log_m)
+    del log_m
+    kl_pm = (p * s_m).sum(1)
+    d = (1 - alpha) * kl_pm + alpha * kl_qm
+    return d, s_m.sub_(kl_pm[:, None]).mul_(p).mul_(1 - alpha)
+
+
+def _teacher_chunk(t_parts, buf, y, full, transposed):
+    """The teacher's log-normaliser pieces for a chunk's distillation rows: (log-prob at y [nd],
+    row max [nd], log-normaliser [nd], full log-probs [nd, V] or None). Log-probs are computed as
+    (z - max) - log_norm, in that order, so they are precise near the max (top-k buckets need it)."""
+    zt = _logits_into(buf, t_parts, transposed)
+    zt_y = zt.gather(1, y).squeeze(1)
+    t_max = zt.amax(1)
+    zt.sub_(t_max[:, None])
+    if full:
+        t_log_norm = torch.logsumexp(zt, 1)
+        return zt_y - t_max - t_log_norm, t_max, t_log_norm, zt.sub_(t_log_norm[:, None])
+    t_log_norm = zt.exp_().sum(1).log()
+    return zt_y - t_max - t_log_norm, t_max, t_log_norm, None
+
+
+def _loss_grads(loss_fn, logp, div, tlogp, *, rows, d_idx, distill, topk_graph):
+    """The caller's loss on a chunk's [c] vectors, and by a tiny local autograd: d loss / d logp [c],
+    d loss / d div at the distillation rows [nd] (None for "token", where div is a constant), and
+    back through the top-k buckets d loss / d s_k [nd, k] (topk_graph: the divergence and s_k)."""
+    with torch.enable_grad():
+        logp_leaf = logp.clone().requires_grad_()
+        div_leaf = div.clone().requires_grad_(distill != "token")
+        out = loss_fn(logp_leaf, div_leaf, tlogp, rows)
+        leaves = [logp_leaf, div_leaf] if distill != "token" else [logp_leaf]
+        grads = torch.autograd.grad(out, leaves, allow_unused=True) if out.requires_grad else [None] * len(leaves)
+        g_logp = grads[0] if grads[0] is not None else torch.zeros_like(logp)
+        g_div = grads[1][d_idx] if distill != "token" and grads[1] is not None else None
+        g_sk = None
+        if topk_graph is not None and g_div is not None:
+            (g_sk,) = torch.autograd.grad(topk_graph[0], topk_graph[1], grad_outputs=g_div)
+    return out, g_logp, g_div, g_sk
+
+
+def _logit_grads(p, *, log_norm, y, g_logp, d_idx, all_div, g_sk, top_idx, ddiv_dz, g_div):
+    """d loss / d z for a chunk, in place in the probability buffer p (normalised, or exp(z - max)
+    with its log_norm). With s = log_softmax(z): dL/dz = G - p * sum(G), G = dL/ds, which is sparse
+    but for "full": nonzero at y (from logp) and at the top-k (g_sk); "full" adds its closed-form
+    divergence gradient ddiv_dz, scaled by g_div."""
+    g_sum = g_logp.clone()
+    if g_sk is not None:
+        g_sum[d_idx] += g_sk.sum(1)
+    scale = -g_sum if log_norm is None else -g_sum * torch.exp(-log_norm)
+    dz = p.mul_(scale[:, None])
+    dz.scatter_add_(1, y, g_logp[:, None])
+    if g_sk is not None and all_div:
+        dz.scatter_add_(1, top_idx, g_sk)
+    elif g_sk is not None:
+        dz.index_put_((d_idx[:, None].expand_as(top_idx), top_idx), g_sk, accumulate=True)
+    if ddiv_dz is not None:
+        ddiv_dz.mul_(g_div[:, None])
+        if all_div:
+            dz.add_(ddiv_dz)
+        else:
+            dz.index_add_(0, d_idx, ddiv_dz)
+    return dz
+
+
+class _FusedTokenLoss(torch.autograd.Function):
+    """Chunked forward that also computes d loss / d hidden and d loss / d weight (the output is a
+    scalar, so the backward only has to scale them). Per chunk of rows, in order: the teacher's
+    logits (distillation rows only), the student's logits and softmax, the divergence, the
+    caller's loss and its gradient w.r.t. log-probs and divergence, then d loss / d logits and
+    the two products that carry it to hidden and weight."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, tokens, loss_fn, teacher, div_mask, alpha, distill, topk, tail, temperature,
+                chunk_size, matmul_dtype):
+        N, H = hidden.shape
+        V, dev = weight.shape[0], hidden.device
+        mm = matmul_dtype or hidden.dtype  # matmul dtype
+        dt = torch.promote_types(mm, torch.float32)  # softmax / divergence dtype
+        need_gh, need_gw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        tokens = tokens.long()
+        full = distill == "full"
+        k = min(topk, V) if distill == "topk" else 0
+        w = weight.detach().to(mm)  # no copy when weight is already in mm
+        # teacher parts (hidden, weight, coef / T): the scale goes on the [rows, H] hidden states
+        teacher = [(h_t.detach(), w_t.detach().to(mm), float(coef) / temperature) for h_t, w_t, coef in teacher or []]
+        grad_h = torch.empty(N, H, dtype=dt, device=dev) if need_gh else None
+        grad_w = torch.zeros(V, H, dtype=torch.promote_types(weight.dtype, dt), device=dev) if need_gw else None
+        logp_all, div_all, tlogp_all, ent_all, mass_all = (torch.zeros(N, dtype=dt, device=dev) for _ in range(5))
+        total = torch.zeros((), dtype=dt, device=dev)
+        div_mask_cpu = div_mask.cpu()  # one host sync; per-chunk row lists are then free
+        # One [chunk, V] logits buffer reused by every chunk (no allocation and, on CPU, no page
+        # faults of freshly mapped memory per chunk): the teacher's pass runs first, then the
+        # student's logits overwrite it ("full" keeps the teacher's log-probs in a second buffer).
+        c_max = min(chunk_size, N)
+        z_buf = torch.empty(c_max * V, dtype=dt, device=dev)
+        t_buf = torch.empty(c_max * V, dtype=dt, device=dev) if full and div_mask_cpu.any() else z_buf
+        # on CPU the teacher's logits are computed transposed (faster): fine for all it needs
+        t_transposed = dev.type == "cpu" and not full and mm == dt
+
+        for a in range(0, N, chunk_size):
+            b = min(a + chunk_size, N)
+            c = b - a
+            h = hidden[a:b].detach()
+            h = (h / temperature if temperature != 1.0 else h).to(mm)  # the division in the input's precision
+            y = tokens[a:b, None]
+            d_local = div_mask_cpu[a:b].nonzero().squeeze(1)
+            nd = d_local.numel()
+            all_div = nd == c
+            d_idx = d_local.to(dev)  # rows of this chunk that get a divergence
+            tlogp = torch.zeros(c, dtype=dt, device=dev)
+            div = torch.zeros(c, dtype=dt, device=dev)
+
+            # ---- teacher (distillation rows only)
+            t = None
+            if nd:
+                t_parts = [((h_t[d_idx + a] * s).to(mm), w_t) for h_t, w_t, s in teacher]  # scaled in fp32
+                tlogp[d_idx], t_max, t_log_norm, t = _teacher_chunk(t_parts, t_buf, y[d_idx], full, t_transposed)
+
+            # ---- student: logits / T [c, V] -> p, in place in the buffer
+            z = _logits_into(z_buf, [(h, w)])
+            z_y = z.gather(1, y).squeeze(1)
+            if k and nd:  # top-k of every row (cheaper than copying out the rows of a mixed chunk)
+                z_k, top_idx = torch.topk(z, k, dim=1)
+                z_max = z_k[:, 0]  # the top-1 is the row max: saves a pass
+                if not all_div:
+                    z_k, top_idx = z_k[d_idx], top_idx[d_idx]
+                zt_k = _gathered_logits(t_parts, top_idx, max_elems=c_max * V // 8)  # teacher logits at the top-k
+            else:
+                z_max = z.amax(1)
+            z.sub_(z_max[:, None])
+            if full:
+                log_norm = torch.logsumexp(z, 1)
+                s_all = z.sub_(log_norm[:, None])  # log-probs, needed over the whole vocab
+                p = s_all.exp()
+                ent_all[a:b] = -(p * s_all).sum(1)
+            else:
+                p = z.exp_()  # unnormalised probs exp(z - max): p / exp(log_norm)
+                p_sum = p.sum(1)
+                log_norm = p_sum.log()
+                ent_all[a:b] = log_norm - torch.xlogy(p, p).sum(1) / p_sum
+            del z
+            logp = z_y - z_max - log_norm
+
+            # ---- divergence (and what its gradient needs)
+            ddiv_dz = d = s_k = None
+            if nd and distill == "topk":  # a small [nd, k] graph: the divergence of the top-k log-probs s_k
+                with torch.enable_grad():
+                    s_k = (z_k - z_max[d_idx, None] - log_norm[d_idx, None]).requires_grad_()
+                    t_k = zt_k - t_max[:, None] - t_log_norm[:, None]
+                    d = _divergence(*_topk_buckets(s_k, t_k, tail), alpha)
+                div[d_idx] = d.detach()
+                mass_all[a + d_idx] = s_k.detach().exp().sum(1)
+            elif nd and full:
+                d, ddiv_dz = _full_divergence_and_grad(s_all if all_div else s_all[d_idx], t, p if all_div else p[d_idx], alpha)
+                div[d_idx] = d
+            elif nd and distill == "token":
+                div[d_idx] = logp[d_idx] - tlogp[d_idx]
+            s_all = t = None
+
+            # ---- the caller's loss on the [c] vectors, and its gradients
+            out, g_logp, g_div, g_sk = _loss_grads(loss_fn, logp, div, tlogp, rows=slice(a, b), d_idx=d_idx, distill=distill,
+                                                   topk_graph=(d, s_k) if nd and distill == "topk" else None)
+            total += out.detach().to(dt)
+            logp_all[a:b], div_all[a:b], tlogp_all[a:b] = logp, div, tlogp
+            if not (need_gh or need_gw):
+                continue
+
+            # ---- d loss / d z, in place in the p buffer
+            dz = _logit_grads(p, log_norm=None if full else log_norm, y=y, g_logp=g_logp, d_idx=d_idx, all_div=all_div,
+                              g_sk=g_sk, top_idx=top_idx if g_sk is not None else None,
+                              ddiv_dz=ddiv_dz if g_div is not None else None, g_div=g_div)
+            ddiv_dz = None
+
+            # ---- chain through z = (h / T) @ W.T (the weight grad accumulates in fp32)
+            dz_mm = dz.to(mm)
+            if need_gh:
+                if mm == dt:
+                    torch.mm(dz_mm, w, out=grad_h[a:b])
+                else:
+                    grad_h[a:b] = dz_mm @ w
+            if need_gw:
+                _add_product(grad_w, dz_mm.T, h)
+            del p, dz, dz_mm
+
+        if need_gh:
+            grad_h = grad_h.div_(temperature).to(hidden.dtype)
+        if need_gw:
+            grad_w = grad_w.to(weight.dtype)
+        ctx.grads = (grad_h, grad_w)
+        stats = tuple(x.float() for x in (logp_all, div_all, tlogp_all, ent_all, mass_all))
+        ctx.mark_non_differentiable(*stats)
+        return (total,) + stats
+
+    @staticmethod
+    def backward(ctx, grad_out, *_):
+        if ctx.grads is None:
+            raise RuntimeError("fused_token_loss: backward can only run once (the gradients are handed over)")
+        grad_h, grad_w = ctx.grads
+        ctx.grads = None  # drop our references so autograd can take the tensors over without a copy
+        if grad_out.ne(1).item():
+            grad_h = grad_h * grad_out.to(grad_h.dtype) if grad_h is not None else None
+            grad_w = grad_w * grad_out.to(grad_w.dtype) if grad_w is not None else None
+        return (grad_h, grad_w) + (None,) * 11
+
+
+def fused_token_loss(hidden, weight, tokens, loss_fn, teacher=None, div_rows=None, *,
+                     alpha, distill, topk, tail, temperature=1.0, chunk_size=128, matmul_dtype=None):
+    """Same arguments, semantics and result as naive_token_loss, without any [N, V] tensor: rows
+    are processed in chunks of chunk_size, and the gradients for hidden and weight are computed
+    during the forward (the backward only scales them, and can run once). loss_fn is called once
+    per chunk with rows = slice(a, b); the loss is the sum of those calls. matmul_dtype (default:
+    hidden's dtype) is the dtype of the products, e.g. bfloat16 under autocast: the softmax and
+    divergence maths stays fp32. Extra memory: ~one [chunk_size, V] fp32 buffer (two for "full")
+    besides the weight gradient; on a GPU a larger chunk (512-1024) keeps the products efficient."""
+    div_mask = _div_rows(hidden, teacher, div_rows)
+    loss, *stats = _FusedTokenLoss.apply(hidden, weight, tokens, loss_fn, teacher, div_mask, alpha, distill, topk, tail,
+                                         temperature, chunk_size, matmul_dtype)
+    return loss, dict(zip(("logp", "div", "teacher_logp", "entropy", "topk_mass"), stats))
+
 
 
 if __name__ == "__main__":
