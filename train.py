@@ -40,7 +40,7 @@ One iteration of the loop, in the order the code runs (and the order of this fil
                         generalized JSD; over the full vocab, the student's top-k (+ a tail
                         bucket), or the sampled-token estimator sg(log p − log q)·log p.
                 All of it goes through one fused, chunked LM-head loss (fused_loss=True) so no
-                [tokens, vocab] logits tensor is ever materialised whole.
+                [tokens, vocab] logits tensor is ever materialised whole (the appendix at the end).
   6. step       AdamW, linear warmup then constant lr (or a cosine to min_lr with decay_lr),
                 grad clipping; then the teacher update.
   7. log        one line per iteration + out_dir/log.jsonl; periodic eval (mean@n) and atomic
@@ -1231,8 +1231,11 @@ def train_loop(run, cfg, ddp):
         end_stage(run, cfg, ddp, stage, name)
 
 
-# ----------------------------------------------------------------------------- the fused loss
-# The same loss as naive_token_loss without any [N, V] tensor: rows are processed in chunks, and
+# ============================================================================= appendix: the fused loss
+# The same loss as naive_token_loss, computed in chunks (fused_loss=True, the default): nothing
+# above needs reading it to follow the algorithm; fused_token_loss is called where
+# naive_token_loss is (loss_backward), with the same arguments and result, and tests/test_loss.py
+# holds the two to each other. Without any [N, V] tensor: rows are processed in chunks, and
 # the gradients for hidden and weight are computed during the forward, so no [chunk, V] tensor
 # outlives its chunk. The matmuls run in the matmul dtype (bf16 under autocast: tensor cores,
 # fp32 accumulation inside each product); the softmax and divergence maths is fp32 (fp64 for
