@@ -74,6 +74,7 @@ import re
 import sys
 import time
 from dataclasses import asdict, dataclass, fields
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -481,6 +482,97 @@ def teacher_messages(messages, peer, feedback, cfg):
     return messages
 
 
+# ----------------------------------------------------------------------------- the teacher
+class TeacherLogits(NamedTuple):
+    """One model's share of the teacher's logits at a micro-batch's response tokens (no grad): the
+    token loss takes the teacher's logits as sum(coef · hidden @ weight.T) over the shares, / T."""
+    hidden: torch.Tensor  # [N, H] final hidden states; zero rows for responses without a teacher prompt
+    weight: torch.Tensor  # [V, H] that model's LM head (detached)
+    coef: float  # the share's weight in the mixture × the model's logit scale
+
+
+@dataclass
+class Teacher:
+    """The SDPO teacher: which weights read the teacher prompt, kept apart from the student.
+
+        kind          teacher weights                  after each step              at eval
+        frozen        the initial model (teacher_init)  nothing                      its own copy
+        ema           its own copy                      θ_T ← (1−τ)θ_T + τθ          its own copy
+        trust_region  logits (1−μ)·initial + μ·student  nothing (the student moves)  not scored (below)
+        live          the student itself                nothing                      the student
+
+    τ = μ = teacher_rate. teacher_stage_reset ('student' / 'initial') reloads the own copy at a stage
+    boundary; live and trust_region have none to reload. trust_region is not scored at eval: sampling
+    from a logit mixture needs two KV caches in one decode loop, which generate() does not have.
+    Adding a kind: a row here, its lines in the methods below, and its name in CHOICES["teacher"]."""
+    kind: str
+    rate: float
+    own: torch.nn.Module = None  # frozen / ema: the teacher's own weights (saved in checkpoints)
+    initial: torch.nn.Module = None  # trust_region: the initial model, the mixture's (1 − μ) share
+
+    @staticmethod
+    def needs_initial(kind):
+        """Whether the kind reads the initial model (setup keeps a frozen copy of it)."""
+        return kind in ("frozen", "trust_region")
+
+    @classmethod
+    def create(cls, cfg, model, initial_model, dev, resume):
+        """The run's teacher (None unless algo='sdpo'); a resumed run loads its own copy afterwards."""
+        if cfg["algo"] != "sdpo":
+            return None
+        own = None
+        if cfg["teacher"] in ("frozen", "ema"):
+            own = frozen_copy(initial_model if initial_model is not None else model)
+            if cfg["teacher_init"] and not resume:
+                # θ_T ← (1 − a)·θ_T + a·θ_init: the EMA update's formula, applied once
+                ema_update(own, load_model(cfg["teacher_init"], dev, scratch=cfg, with_tokenizer=False)[0],
+                           cfg["teacher_init_alpha"])
+        return cls(cfg["teacher"], cfg["teacher_rate"], own=own,
+                   initial=initial_model if cfg["teacher"] == "trust_region" else None)
+
+    def logits(self, student, teacher_prompts, responses, dev):
+        """The teacher's logits at every response token as [TeacherLogits] (the model's logit scale
+        folded into coef); rows of responses without a teacher prompt stay zero (they are outside
+        div_rows). No grad."""
+        has = [i for i, t in enumerate(teacher_prompts) if t is not None]
+        lengths = [len(r) for r in responses]
+        starts = [0, *itertools.accumulate(lengths)]
+        index = torch.tensor([starts[i] + t for i in has for t in range(lengths[i])], device=dev)
+
+        def share(m, coef):
+            h = shared_prompt_hidden(m, [teacher_prompts[i] for i in has], [responses[i] for i in has], dev)
+            weight, scale = lm_head(m)
+            return TeacherLogits(h.new_zeros(sum(lengths), h.shape[-1]).index_copy_(0, index, h), weight.detach(),
+                                 coef * scale)
+
+        with torch.no_grad():
+            if self.kind in ("frozen", "ema"):
+                return [share(self.own, 1.0)]
+            if self.kind == "live":
+                return [share(student, 1.0)]
+            return [share(self.initial, 1.0 - self.rate), share(student, self.rate)]  # trust_region
+
+    def after_step(self, student):
+        """The per-step update, after each optimizer step (identical on every rank)."""
+        if self.kind == "ema":
+            ema_update(self.own, student, self.rate)
+
+    def start_stage(self, reset, student, initial_model):
+        """A stage boundary: teacher_stage_reset 'student' or 'initial' reloads the own copy."""
+        if self.own is not None and reset != "keep":
+            self.own.load_state_dict((student if reset == "student" else initial_model).state_dict())
+
+    def eval_model(self, student):
+        """The model scored at eval reading the reference solution (None: this kind is not scored)."""
+        return {"frozen": self.own, "ema": self.own, "live": student}.get(self.kind)
+
+
+@torch.no_grad()
+def ema_update(teacher_model, student_model, rate):
+    """θ_T ← (1 − rate)·θ_T + rate·θ, once per optimizer step."""
+    torch._foreach_lerp_(list(teacher_model.parameters()), [p.detach() for p in student_model.parameters()], rate)
+
+
 # ----------------------------------------------------------------------------- batch assembly
 def build_batch(tasks, model, tokenizer, cfg, generator, dev, *, autocast=contextlib.nullcontext, global_sum=list,
                 progress=False):
@@ -704,8 +796,8 @@ def naive_token_loss(hidden, weight, tokens, loss_fn, teacher=None, div_rows=Non
     """Reference implementation: full [N, V] logits in fp32 (fp64 for fp64 inputs), plain autograd.
 
     hidden [N, H] student final hidden states, weight [V, H] LM head, tokens [N] the token of each
-    row. Student logits = hidden @ weight.T / T. teacher: None or [(hidden_t [N, H], weight_t
-    [V, H], coef)], no grad: teacher logits = sum coef * hidden_t @ weight_t.T, / T.
+    row. Student logits = hidden @ weight.T / T. teacher: None or [TeacherLogits(hidden [N, H],
+    weight [V, H], coef)] (Teacher.logits), no grad: teacher logits = sum coef * hidden @ weight.T, / T.
     div_rows: bool [N] (None: all rows if there is a teacher, else none); rows outside get div = 0
     and teacher_logp = 0. Per row: logp (student log-prob at tokens), teacher_logp, and div =
     distill_divergence(...) for distill "full" / "topk", or the constant (logp - teacher_logp)
@@ -728,7 +820,7 @@ def naive_token_loss(hidden, weight, tokens, loss_fn, teacher=None, div_rows=Non
     if rows.numel() > 0 and distill == "topk":
         topk_mass[rows] = log_probs[rows].exp().topk(min(topk, log_probs.shape[1]), dim=-1).values.sum(-1)
     if rows.numel() > 0:
-        t_logits = sum(coef * (h_t.detach()[rows].to(dt) @ w_t.detach().to(dt).T) for h_t, w_t, coef in teacher)
+        t_logits = sum(part.coef * (part.hidden.detach()[rows].to(dt) @ part.weight.detach().to(dt).T) for part in teacher)
         t_logits = t_logits / temperature if temperature != 1.0 else t_logits
         t_lp = torch.log_softmax(t_logits, -1).gather(1, tokens[rows, None]).squeeze(1)
         teacher_logp = teacher_logp.index_put((rows,), t_lp)
@@ -760,32 +852,7 @@ def sampled_logprobs(hidden, weight, tokens, temperature=1.0, chunk_size=128, ma
 
 
 # ----------------------------------------------------------------------------- loss and backward
-def teacher_parts(*, mode, rate, model, teacher_model, initial_model, teacher_prompts, responses, dev):
-    """The teacher's logits as [(hidden [N, H], LM-head weight, coef)], summed by the token loss (the
-    model's logit scale is folded into coef); rows of responses without a teacher prompt stay zero
-    (they are outside div_rows). No grad."""
-    has = [i for i, t in enumerate(teacher_prompts) if t is not None]
-    lengths = [len(r) for r in responses]
-    starts = [0, *itertools.accumulate(lengths)]
-    index = torch.tensor([starts[i] + t for i in has for t in range(lengths[i])], device=dev)
-
-    def rows(m):
-        h = shared_prompt_hidden(m, [teacher_prompts[i] for i in has], [responses[i] for i in has], dev)
-        return h.new_zeros(sum(lengths), h.shape[-1]).index_copy_(0, index, h)
-
-    def part(m, coef):
-        weight, scale = lm_head(m)
-        return rows(m), weight.detach(), coef * scale
-
-    with torch.no_grad():
-        if mode in ("frozen", "ema"):
-            return [part(teacher_model, 1.0)]
-        if mode == "live":
-            return [part(model, 1.0)]
-        return [part(initial_model, 1.0 - rate), part(model, rate)]  # trust_region
-
-
-def select_by_divergence(h, weight, tokens, teacher, distill_weight, *, lengths, cfg, token_loss, options):
+def select_by_divergence(h, weight, tokens, teacher_logits, distill_weight, *, lengths, cfg, token_loss, options):
     """density_select='disagree': each response keeps its number of distilled tokens, moved to the
     tokens where the divergence to the teacher is largest (one no-grad pass of the token loss)."""
     starts = [0, *itertools.accumulate(lengths)]
@@ -794,7 +861,7 @@ def select_by_divergence(h, weight, tokens, teacher, distill_weight, *, lengths,
     has_teacher = torch.cat([torch.full((n,), k > 0) for n, k in zip(lengths, counts)]).to(h.device)
     with torch.no_grad():  # detached weight: the fused loss then builds no weight gradient
         _, stats = token_loss(h.detach(), weight.detach(), tokens, lambda logp, div, t_logp, rows: logp.sum(),
-                              teacher=teacher, div_rows=has_teacher, alpha=cfg["alpha"], distill=cfg["distill"],
+                              teacher=teacher_logits, div_rows=has_teacher, alpha=cfg["alpha"], distill=cfg["distill"],
                               topk=cfg["topk"], tail=cfg["tail"], temperature=cfg["temperature"], **options)
     selected = torch.zeros_like(distill_weight)
     for a, n, k in zip(starts, lengths, counts):
@@ -807,11 +874,15 @@ def loss_chunk_size(cfg, dev):
     return cfg["loss_chunk"] or (128 if dev.type == "cpu" else 512)
 
 
-def loss_backward(model, batch, cfg, dev, *, teacher_model=None, initial_model=None):
+def loss_backward(model, batch, cfg, dev, *, teacher=None, initial_model=None):
     """Forward + backward over the sequences of one optimizer step, in micro-batches.
 
     batch: a Batch with its loss weights set (build_batch). Sequences with no weight anywhere are
-    skipped. Returns the loss, the phase times and the token diagnostics (metrics.TOKEN_SUMS), summed."""
+    skipped. teacher: the run's Teacher (None: one of cfg's kind without its own copy, e.g. live);
+    initial_model: the KL reference. Returns the loss, the phase times and the token diagnostics
+    (metrics.TOKEN_SUMS), summed."""
+    if cfg["algo"] == "sdpo" and teacher is None:
+        teacher = Teacher(cfg["teacher"], cfg["teacher_rate"], initial=initial_model)
     amp, autocast = amp_dtype(dev, cfg["dtype"]), make_autocast(dev, cfg["dtype"])
     in_loss = [i for i, (p, d) in enumerate(zip(batch.pg_weight, batch.distill_weight)) if p.any() or d.any()]
     in_loss.sort(key=lambda i: len(batch.prompt_ids[i]) + len(batch.response_ids[i]), reverse=True)  # less padding
@@ -826,7 +897,7 @@ def loss_backward(model, batch, cfg, dev, *, teacher_model=None, initial_model=N
         lengths = [len(r) for r in mb.response_ids]
         distill_weight = torch.cat(mb.distill_weight).to(dev)
         div_rows = distill_weight > 0
-        ref_logp, teacher, t0 = None, None, time.time()
+        ref_logp, teacher_logits, t0 = None, None, time.time()
         with autocast():
             if cfg["kl_coef"] > 0 and cfg["algo"] != "sft":
                 with torch.no_grad(), eval_mode(initial_model):
@@ -836,15 +907,13 @@ def loss_backward(model, batch, cfg, dev, *, teacher_model=None, initial_model=N
             t1 = time.time()
             if cfg["algo"] == "sdpo" and div_rows.any():  # teacher forwards only for responses with a signal
                 prompts = [t if w.any() else None for t, w in zip(mb.teacher_prompt_ids, mb.distill_weight)]
-                teacher = teacher_parts(mode=cfg["teacher"], rate=cfg["teacher_rate"], model=model, teacher_model=teacher_model,
-                                        initial_model=initial_model, teacher_prompts=prompts, responses=mb.response_ids,
-                                        dev=dev)
+                teacher_logits = teacher.logits(model, prompts, mb.response_ids, dev)
             t2 = time.time()
             h = response_hidden(model, mb.prompt_ids, mb.response_ids, dev)
             weight, scale = lm_head(model)  # logits = scale · (h @ weight.T): the scale goes on h
             h = h * scale if scale != 1 else h
-        if teacher and cfg["density_select"] == "disagree":
-            distill_weight = select_by_divergence(h, weight, tokens, teacher, distill_weight, lengths=lengths, cfg=cfg,
+        if teacher_logits and cfg["density_select"] == "disagree":
+            distill_weight = select_by_divergence(h, weight, tokens, teacher_logits, distill_weight, lengths=lengths, cfg=cfg,
                                                   token_loss=token_loss, options=options)
             div_rows = distill_weight > 0
         old_logp = torch.cat(mb.old_logprobs).to(dev)
@@ -853,8 +922,8 @@ def loss_backward(model, batch, cfg, dev, *, teacher_model=None, initial_model=N
             advantage=torch.cat([torch.full((n,), float(a)) for n, a in zip(lengths, mb.advantages)]).to(dev),
             pg_weight=torch.cat(mb.pg_weight).to(dev), distill_weight=distill_weight, clip_low=cfg["clip_low"],
             clip_high=cfg["clip_high"], kl_coef=cfg["kl_coef"], is_clip=cfg["is_clip"], distill=cfg["distill"])
-        loss, stats = token_loss(h, weight, tokens, loss_fn, teacher=teacher,
-                                 div_rows=div_rows if teacher else None, alpha=cfg["alpha"], distill=cfg["distill"],
+        loss, stats = token_loss(h, weight, tokens, loss_fn, teacher=teacher_logits,
+                                 div_rows=div_rows if teacher_logits else None, alpha=cfg["alpha"], distill=cfg["distill"],
                                  topk=cfg["topk"], tail=cfg["tail"], temperature=temperature, **options)
         loss.backward()
         success = None if mb.rewards is None else torch.cat(
@@ -897,12 +966,6 @@ def optimizer_step(model, optimizer, grad_clip):
     if not torch.isfinite(torch.stack(torch._foreach_norm(list(model.parameters())))).all():
         raise Collapse("the weights are not finite after the optimizer step (the update overflowed)")
     return norm.item()
-
-
-@torch.no_grad()
-def ema_update(teacher_model, student_model, rate):
-    """θ_T ← (1 − rate)·θ_T + rate·θ, once per optimizer step."""
-    torch._foreach_lerp_(list(teacher_model.parameters()), [p.detach() for p in student_model.parameters()], rate)
 
 
 # ----------------------------------------------------------------------------- eval
@@ -1000,24 +1063,18 @@ def setup(cfg, ddp, stack):
         enable_grad_checkpointing(model)
     # the initial model: KL reference, frozen / trust-region teacher, 'initial' stage reset
     needs_initial = (cfg["algo"] != "sft" and cfg["kl_coef"] > 0) or (cfg["algo"] == "sdpo" and (
-        cfg["teacher"] in ("frozen", "trust_region") or cfg["teacher_stage_reset"] == "initial"))
+        Teacher.needs_initial(cfg["teacher"]) or cfg["teacher_stage_reset"] == "initial"))
     initial_model = None
     if needs_initial:
         initial_model = (load_model(state["base_init"], dev, scratch=cfg)[0].eval().requires_grad_(False) if resume
                          else frozen_copy(model))  # a fresh load needs no second copy
-    teacher_model = None
-    if cfg["algo"] == "sdpo" and cfg["teacher"] in ("frozen", "ema"):
-        teacher_model = frozen_copy(initial_model if initial_model is not None else model)
-        if cfg["teacher_init"] and not resume:
-            # θ_T ← (1 − a)·θ_T + a·θ_init: the EMA update's formula, applied once
-            ema_update(teacher_model, load_model(cfg["teacher_init"], dev, scratch=cfg, with_tokenizer=False)[0],
-                       cfg["teacher_init_alpha"])
+    teacher = Teacher.create(cfg, model, initial_model, dev, resume)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg["learning_rate"], betas=(cfg["beta1"], cfg["beta2"]),
                                   weight_decay=cfg["weight_decay"])
     generator = make_generator(cfg["seed"] + ddp.rank, dev)  # sampling and density masks, per rank
     data_rng = random.Random(cfg["seed"])  # the global prompt order, the same on every rank
     if resume:
-        rng = checkpoint.load_trainer(ckpt_dir, saved, model, optimizer, teacher_model)
+        rng = checkpoint.load_trainer(ckpt_dir, saved, model, optimizer, teacher and teacher.own)
         generator.set_state(rng[f"sampling.{ddp.rank}"])
         data_rng.setstate(tuple(tuple(x) if isinstance(x, list) else x for x in state["data_rng"]))
         if ddp.master:
@@ -1028,7 +1085,7 @@ def setup(cfg, ddp, stack):
         log.wandb = wandb.init(project=cfg["wandb_project"], name=cfg["wandb_run_name"], config=cfg)
     return dict(stages=stages, eval_names=eval_names, train_tasks=train_tasks, eval_tasks=eval_tasks, eval_demos=eval_demos,
                 log=log, ckpt_dir=ckpt_dir, state=state, guard=guard, model=model, tokenizer=tokenizer,
-                initial_model=initial_model, teacher_model=teacher_model, optimizer=optimizer, generator=generator,
+                initial_model=initial_model, teacher=teacher, optimizer=optimizer, generator=generator,
                 data_rng=data_rng)
 
 
@@ -1054,7 +1111,7 @@ def run_eval(run, cfg, ddp, tag):
     run also scores its teacher reading each prompt with the reference solution as the demonstration
     (eval/<set>/teacher_mean@n): it shows when the teacher stops being better than the student."""
     state, n = run["state"], cfg["eval_n"]
-    teacher = {"ema": run["teacher_model"], "frozen": run["teacher_model"], "live": run["model"]}.get(cfg["teacher"])
+    teacher = run["teacher"] and run["teacher"].eval_model(run["model"])
     generators = [make_generator(cfg["seed"] + k + ddp.rank, ddp.device) for k in (1, 2)]  # the same samples each eval
     row, lengths, record = {}, {}, {"iter": state["iter"], "eval_tag": tag}
     for name, tasks in run["eval_tasks"].items():
@@ -1103,7 +1160,7 @@ def save_checkpoint(run, cfg, ddp, passed=None):
     if ddp.master:
         state["data_rng"] = run["data_rng"].getstate()
         checkpoint.save(run["ckpt_dir"], model=model, tokenizer=run["tokenizer"], optimizer=run["optimizer"],
-                        teacher_model=run["teacher_model"], save_dtype=cfg["save_dtype"],
+                        teacher_model=run["teacher"] and run["teacher"].own, save_dtype=cfg["save_dtype"],
                         state={**state, "guard": asdict(guard), "config": cfg},
                         rng_tensors={f"sampling.{r}": g for r, g in enumerate(rng_states)})
         if passed is not None:
@@ -1115,9 +1172,8 @@ def start_stage(run, cfg):
     """A stage boundary: optionally a fresh optimizer, and the teacher per teacher_stage_reset."""
     if cfg["reset_optimizer"]:
         run["optimizer"].state.clear()
-    if run["teacher_model"] is not None and cfg["teacher_stage_reset"] != "keep":
-        source = run["model"] if cfg["teacher_stage_reset"] == "student" else run["initial_model"]
-        run["teacher_model"].load_state_dict(source.state_dict())
+    if run["teacher"] is not None:
+        run["teacher"].start_stage(cfg["teacher_stage_reset"], run["model"], run["initial_model"])
 
 
 def trained_sets(run, stage_name):
@@ -1192,15 +1248,15 @@ def train_loop(run, cfg, ddp):
             t1 = time.time()
             step_memory.before_step(dev)  # CUDA: the static cache goes unless it fits beside the step
             # student (and teacher) forward and backward, in micro-batches; a diverging loss stops the run
-            loss_metrics = loss_backward(model, batch, cfg, dev, teacher_model=run["teacher_model"],
+            loss_metrics = loss_backward(model, batch, cfg, dev, teacher=run["teacher"],
                                          initial_model=run["initial_model"])
             metrics.check_loss(run["guard"], loss_metrics["loss"], log_vocab=log_vocab, stop=cfg["stop_on_collapse"])
             ddp.all_reduce_grads(model)
             t2 = time.time()
             # optimizer step, then the EMA teacher follows the student
             grad_norm = optimizer_step(model, optimizer, cfg["grad_clip"])
-            if run["teacher_model"] is not None and cfg["teacher"] == "ema":
-                ema_update(run["teacher_model"], model, cfg["teacher_rate"])  # identical on every rank
+            if run["teacher"] is not None:
+                run["teacher"].after_step(model)
             step_memory.after_step(dev)
             t3 = time.time()
             state["iter"] += 1

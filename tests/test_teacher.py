@@ -29,7 +29,7 @@ def test_teacher_init_is_the_teacher(toy_data, tmp_path):
                data_dir=toy_data, tokenizer_path=os.path.join(toy_data, "toy", "tokenizer"))
     with contextlib.ExitStack() as stack:
         run = train.setup(cfg, models.Dist("cpu"), stack)
-        for a, b in zip(run["teacher_model"].parameters(), other.parameters()):
+        for a, b in zip(run["teacher"].own.parameters(), other.parameters()):
             torch.testing.assert_close(a, b)
         assert not torch.equal(next(run["model"].parameters()), next(other.parameters()))
 
@@ -78,9 +78,8 @@ def test_density_selection_keeps_the_fraction_and_picks_its_tokens(toy_data):
     tokens = torch.tensor([t for r in batch.response_ids for t in r])
     with torch.no_grad():
         h = models.response_hidden(model, batch.prompt_ids, batch.response_ids, torch.device("cpu"))
-        teacher = train.teacher_parts(mode="live", rate=0.0, model=model, teacher_model=None, initial_model=None,
-                                      teacher_prompts=batch.teacher_prompt_ids, responses=batch.response_ids,
-                                      dev=torch.device("cpu"))
+        teacher = train.Teacher("live", 0.0).logits(model, batch.teacher_prompt_ids, batch.response_ids,
+                                                    torch.device("cpu"))
         _, stats = train.naive_token_loss(h, model.get_output_embeddings().weight, tokens, lambda *a: a[0].sum(),
                                           teacher=teacher, alpha=0.5, distill="topk", topk=10, tail=True)
     picked = train.select_by_divergence(h, model.get_output_embeddings().weight, tokens, teacher, weights, lengths=lengths,

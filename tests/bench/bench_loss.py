@@ -147,7 +147,7 @@ def make_problem(N, H, V, dtype, device, seed=0):
         return div.sum() / n_div
 
     return dict(h_leaf=h_leaf, weight=weight, tokens=tokens, loss_fn=loss_fn, jsd_loss_fn=jsd_loss_fn,
-                teacher=[(h_t, w_t, 1.0)], div_rows=div_rows)
+                teacher=[train.TeacherLogits(h_t, w_t, 1.0)], div_rows=div_rows)
 
 
 def naive_bf16_token_loss(hidden, weight, tokens, loss_fn, teacher=None, div_rows=None, *,
