@@ -1015,6 +1015,52 @@ def evaluate(model, tokenizer, tasks, *, n, temperature, top_p, max_new_tokens, 
 
 
 # ----------------------------------------------------------------------------- main
+@dataclass
+class TrainState:
+    """What a checkpoint saves and init_from='resume' restores: trainer/state.json (to_json, read
+    back by checkpoint.read_state) and each rank's sampling RNG (checkpoint.save's rng_tensors)."""
+    generator: torch.Generator  # this rank's sampling and density masks
+    data_rng: random.Random  # the global prompt order, the same on every rank
+    base_init: str  # the first run's init_from: a resume reloads it as the initial model
+    world: int  # ranks; a resume needs as many (each rank's sampling RNG is saved)
+    data: dict  # the task files' fingerprints; a resume checks it reads the same files
+    iter: int = 0  # optimizer steps, over all stages
+    stage: int = 0  # the current stage (len(stages) once all are done)
+    stage_iter: int = 0  # steps into the current stage
+    accuracy_matrix: dict = None  # eval_sets, stages, rows (one per finished stage), base (the initial model's row)
+    guard: metrics.Guard = None  # the collapse guard's memory, from the first eval on
+
+    def to_json(self, cfg):
+        return {"iter": self.iter, "stage": self.stage, "stage_iter": self.stage_iter,
+                "accuracy_matrix": self.accuracy_matrix, "base_init": self.base_init, "world": self.world,
+                "data": self.data, "data_rng": self.data_rng.getstate(), "guard": asdict(self.guard), "config": cfg}
+
+    def restore(self, saved, generator_state):
+        """A checkpoint's state.json (checked by checkpoint.read_state) and this rank's sampling RNG."""
+        self.iter, self.stage, self.stage_iter = saved["iter"], saved["stage"], saved["stage_iter"]
+        self.accuracy_matrix, self.guard = saved["accuracy_matrix"], metrics.Guard(**saved["guard"])
+        self.data_rng.setstate(tuple(tuple(x) if isinstance(x, list) else x for x in saved["data_rng"]))
+        self.generator.set_state(generator_state)
+
+
+@dataclass
+class Run:
+    """What a run holds from setup to its end; train_loop and its helpers read it as run.model, ..."""
+    model: torch.nn.Module  # the student
+    tokenizer: object
+    optimizer: torch.optim.Optimizer
+    teacher: Teacher  # None unless algo='sdpo'
+    initial_model: torch.nn.Module  # frozen; None unless the KL term, the teacher or a stage reset reads it
+    state: TrainState
+    stages: list  # [(dataset name, iterations)]
+    eval_names: list  # the eval sets, in the accuracy matrix's column order
+    train_tasks: dict  # stage dataset name -> tasks
+    eval_tasks: dict  # eval set -> tasks
+    eval_demos: dict  # eval set -> tasks whose prompt is the teacher's (reference solution as demonstration)
+    log: metrics.RunLog
+    ckpt_dir: str
+
+
 def setup(cfg, ddp, stack):
     """Everything before the first iteration: data, model, teacher copies, optimizer, resumed state.
     Every input is checked (config, data files, model, optional packages) before out_dir is touched,
@@ -1032,9 +1078,6 @@ def setup(cfg, ddp, stack):
         require("math_verify", "math_checker=math_verify", "math-verify")
     data = checkpoint.fingerprints(task_files.resolve(cfg["data_dir"]),
                                    [(n, "train") for n in train_tasks] + [(n, "test") for n in eval_tasks])
-    state = {"iter": 0, "stage": 0, "stage_iter": 0, "accuracy_matrix": None, "base_init": cfg["init_from"],
-             "world": ddp.world, "data": data}  # the last two: what a resumed run checks it runs on
-    guard = None  # the collapse guard's memory: a fresh run's starts at its first eval (train_loop)
     log = metrics.RunLog(out_dir, cfg["log_jsonl"], None, ddp.master)
     random.seed(cfg["seed"])
     torch.manual_seed(cfg["seed"])
@@ -1048,14 +1091,15 @@ def setup(cfg, ddp, stack):
     if resume:
         saved = checkpoint.read_state(ckpt_dir)  # a damaged or foreign state.json is one line, before any change
         checkpoint.check_same_run(saved, ddp.world, data)
-        state.update({k: v for k, v in saved.items() if k not in ("param_groups", "guard", "world", "data")})
-        guard = metrics.Guard(**saved["guard"])
         checkpoint.check_resume(saved["config"], cfg, parse_stages(saved["config"]["stages"], saved["config"]["dataset"],
-                                saved["config"]["max_iters"]), stages, state)
-        eval_names = checkpoint.kept_eval_sets(state["accuracy_matrix"], eval_names, log.say)
+                                saved["config"]["max_iters"]), stages, saved)  # may reopen the last stage in `saved`
+        eval_names = checkpoint.kept_eval_sets(saved["accuracy_matrix"], eval_names, log.say)
         eval_tasks = {n: eval_tasks[n] for n in eval_names}
         model, tokenizer = load_model(ckpt_dir, dev, scratch=cfg)
         eval_demos = fit_prompts(train_tasks, eval_tasks, model, tokenizer, cfg, log)
+    # the guard's memory starts at the first eval (train_loop); a resumed run's comes with the rest
+    state = TrainState(generator=make_generator(cfg["seed"] + ddp.rank, dev), data_rng=random.Random(cfg["seed"]),
+                       base_init=saved["base_init"] if resume else cfg["init_from"], world=ddp.world, data=data)
     if not has_chat_template(tokenizer):
         log.say(f"note: {cfg['init_from']}'s tokenizer has no chat template: prompts are the messages' text, one per line")
     disable_dropout(model).train()  # dropout off (the RL references' choice): ρ = 1 before any update
@@ -1066,27 +1110,23 @@ def setup(cfg, ddp, stack):
         Teacher.needs_initial(cfg["teacher"]) or cfg["teacher_stage_reset"] == "initial"))
     initial_model = None
     if needs_initial:
-        initial_model = (load_model(state["base_init"], dev, scratch=cfg)[0].eval().requires_grad_(False) if resume
+        initial_model = (load_model(state.base_init, dev, scratch=cfg)[0].eval().requires_grad_(False) if resume
                          else frozen_copy(model))  # a fresh load needs no second copy
     teacher = Teacher.create(cfg, model, initial_model, dev, resume)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg["learning_rate"], betas=(cfg["beta1"], cfg["beta2"]),
                                   weight_decay=cfg["weight_decay"])
-    generator = make_generator(cfg["seed"] + ddp.rank, dev)  # sampling and density masks, per rank
-    data_rng = random.Random(cfg["seed"])  # the global prompt order, the same on every rank
     if resume:
         rng = checkpoint.load_trainer(ckpt_dir, saved, model, optimizer, teacher and teacher.own)
-        generator.set_state(rng[f"sampling.{ddp.rank}"])
-        data_rng.setstate(tuple(tuple(x) if isinstance(x, list) else x for x in state["data_rng"]))
+        state.restore(saved, rng[f"sampling.{ddp.rank}"])
         if ddp.master:
             for name in ("log.jsonl", "samples.jsonl"):  # the iterations after the checkpoint are redone
-                checkpoint.truncate_log(os.path.join(out_dir, name), state["iter"])
-        log.say(f"resumed from {ckpt_dir} at iteration {state['iter']} (stage {state['stage']}, step {state['stage_iter']})")
+                checkpoint.truncate_log(os.path.join(out_dir, name), state.iter)
+        log.say(f"resumed from {ckpt_dir} at iteration {state.iter} (stage {state.stage}, step {state.stage_iter})")
     if wandb:
         log.wandb = wandb.init(project=cfg["wandb_project"], name=cfg["wandb_run_name"], config=cfg)
-    return dict(stages=stages, eval_names=eval_names, train_tasks=train_tasks, eval_tasks=eval_tasks, eval_demos=eval_demos,
-                log=log, ckpt_dir=ckpt_dir, state=state, guard=guard, model=model, tokenizer=tokenizer,
-                initial_model=initial_model, teacher=teacher, optimizer=optimizer, generator=generator,
-                data_rng=data_rng)
+    return Run(model=model, tokenizer=tokenizer, optimizer=optimizer, teacher=teacher, initial_model=initial_model,
+               state=state, stages=stages, eval_names=eval_names, train_tasks=train_tasks, eval_tasks=eval_tasks,
+               eval_demos=eval_demos, log=log, ckpt_dir=ckpt_dir)
 
 
 def fit_prompts(train_tasks, eval_tasks, model, tokenizer, cfg, log):
@@ -1110,21 +1150,21 @@ def run_eval(run, cfg, ddp, tag):
     mean@n, so wandb keeps every curve), and return {set: mean@n}, {set: mean response length}. An SDPO
     run also scores its teacher reading each prompt with the reference solution as the demonstration
     (eval/<set>/teacher_mean@n): it shows when the teacher stops being better than the student."""
-    state, n = run["state"], cfg["eval_n"]
-    teacher = run["teacher"] and run["teacher"].eval_model(run["model"])
+    state, n = run.state, cfg["eval_n"]
+    teacher = run.teacher and run.teacher.eval_model(run.model)
     generators = [make_generator(cfg["seed"] + k + ddp.rank, ddp.device) for k in (1, 2)]  # the same samples each eval
-    row, lengths, record = {}, {}, {"iter": state["iter"], "eval_tag": tag}
-    for name, tasks in run["eval_tasks"].items():
-        acc, lengths[name] = score_set(run, cfg, ddp, run["model"], tasks, generators[0])
+    row, lengths, record = {}, {}, {"iter": state.iter, "eval_tag": tag}
+    for name, tasks in run.eval_tasks.items():
+        acc, lengths[name] = score_set(run, cfg, ddp, run.model, tasks, generators[0])
         row[name] = acc[f"mean@{n}"]
         record.update({f"eval/{name}/{k}": v for k, v in acc.items()}, **{f"eval/{name}/mean_len": lengths[name]})
         if cfg["algo"] != "sdpo" or teacher is None:
             continue
-        demos = run["eval_demos"].get(name)
+        demos = run.eval_demos.get(name)
         if demos:
             record[f"eval/{name}/teacher_mean@{n}"] = score_set(run, cfg, ddp, teacher, demos, generators[1])[0][f"mean@{n}"]
-    run["log"].record(record)
-    run["log"].say(f"eval @ iter {state['iter']} ({tag}): " + ", ".join(f"{k} mean@{n} {v:.3f}" for k, v in row.items()))
+    run.log.record(record)
+    run.log.say(f"eval @ iter {state.iter} ({tag}): " + ", ".join(f"{k} mean@{n} {v:.3f}" for k, v in row.items()))
     return row, lengths
 
 
@@ -1132,7 +1172,7 @@ def score_set(run, cfg, ddp, model, tasks, generator):
     """mean@n / pass@n and the mean response length of `model` on one eval set, over every rank."""
     n = cfg["eval_n"]
     with make_autocast(ddp.device, cfg["dtype"])():
-        res = evaluate(model, run["tokenizer"], tasks[ddp.rank::ddp.world], n=n, temperature=cfg["eval_temperature"],
+        res = evaluate(model, run.tokenizer, tasks[ddp.rank::ddp.world], n=n, temperature=cfg["eval_temperature"],
                        top_p=cfg["eval_top_p"], max_new_tokens=cfg["max_new_tokens"],
                        batch_prompts=max(1, cfg["batch_prompts"] * cfg["group_size"] // n), generator=generator,
                        enable_thinking=cfg["enable_thinking"], success_threshold=cfg["success_threshold"],
@@ -1147,54 +1187,53 @@ def save_checkpoint(run, cfg, ddp, passed=None):
     """Save model, optimizer, teacher, every rank's sampling RNG, the data order and the guard (rank 0
     writes); passed: this iteration's eval row when it passed the collapse guard -- ckpt_good/ becomes
     this checkpoint too."""
-    model, state, guard = run["model"], run["state"], run["guard"]
+    model, state = run.model, run.state
     # ranks must hold identical weights (same init, same all-reduced steps): check cheaply
     if ddp.world > 1:
         sums = ddp.gather(sum(p.detach().sum(dtype=torch.float64).item() for p in model.parameters()))
-        run["log"].record({"iter": state["iter"], "rank_param_sums": sums})
+        run.log.record({"iter": state.iter, "rank_param_sums": sums})
         if len(set(sums)) > 1:
             raise UserError(f"ranks diverged: parameter sums {sums}")
-    rng_states = ddp.gather(run["generator"].get_state())
+    rng_states = ddp.gather(state.generator.get_state())
     if passed is not None:
-        guard.good = {"iter": state["iter"], "acc": passed}
+        state.guard.good = {"iter": state.iter, "acc": passed}
     if ddp.master:
-        state["data_rng"] = run["data_rng"].getstate()
-        checkpoint.save(run["ckpt_dir"], model=model, tokenizer=run["tokenizer"], optimizer=run["optimizer"],
-                        teacher_model=run["teacher"] and run["teacher"].own, save_dtype=cfg["save_dtype"],
-                        state={**state, "guard": asdict(guard), "config": cfg},
+        checkpoint.save(run.ckpt_dir, model=model, tokenizer=run.tokenizer, optimizer=run.optimizer,
+                        teacher_model=run.teacher and run.teacher.own, save_dtype=cfg["save_dtype"],
+                        state=state.to_json(cfg),
                         rng_tensors={f"sampling.{r}": g for r, g in enumerate(rng_states)})
         if passed is not None:
-            checkpoint.keep_as_good(run["ckpt_dir"], run["ckpt_dir"] + "_good")
+            checkpoint.keep_as_good(run.ckpt_dir, run.ckpt_dir + "_good")
     ddp.barrier()
 
 
 def start_stage(run, cfg):
     """A stage boundary: optionally a fresh optimizer, and the teacher per teacher_stage_reset."""
     if cfg["reset_optimizer"]:
-        run["optimizer"].state.clear()
-    if run["teacher"] is not None:
-        run["teacher"].start_stage(cfg["teacher_stage_reset"], run["model"], run["initial_model"])
+        run.optimizer.state.clear()
+    if run.teacher is not None:
+        run.teacher.start_stage(cfg["teacher_stage_reset"], run.model, run.initial_model)
 
 
-def trained_sets(run, stage_name):
+def trained_sets(stages, stage_name):
     """The eval sets the collapse guard judges against half their best: all in a one-stage run; in
     a continual run the current stage's own (an earlier domain may be forgotten, down to zero)."""
-    return set(stage_name.split("+")) if len(run["stages"]) > 1 else None
+    return set(stage_name.split("+")) if len(stages) > 1 else None
 
 
 def end_stage(run, cfg, ddp, stage, name):
     """A row of the accuracy matrix (every eval set), a model snapshot, a checkpoint."""
-    state = run["state"]
+    state = run.state
     row, lengths = run_eval(run, cfg, ddp, f"end of stage {stage + 1}")
-    passed = row if metrics.check_eval(run["guard"], row, lengths, cfg, trained_sets(run, name)) else None  # may stop
-    state["accuracy_matrix"]["stages"].append(name)
-    state["accuracy_matrix"]["rows"].append([row[s] for s in run["eval_names"]])
+    passed = row if metrics.check_eval(state.guard, row, lengths, cfg, trained_sets(run.stages, name)) else None  # may stop
+    state.accuracy_matrix["stages"].append(name)
+    state.accuracy_matrix["rows"].append([row[s] for s in run.eval_names])
     if ddp.master:
-        checkpoint.write_json(os.path.join(cfg["out_dir"], "accuracy_matrix.json"), state["accuracy_matrix"])
-        if len(run["stages"]) > 1:
+        checkpoint.write_json(os.path.join(cfg["out_dir"], "accuracy_matrix.json"), state.accuracy_matrix)
+        if len(run.stages) > 1:
             snap = os.path.join(cfg["out_dir"], f"stage{stage + 1}_{name.replace('/', '_').replace('+', '_')}")
-            checkpoint.save_snapshot(snap, run["ckpt_dir"], run["model"], run["tokenizer"])
-    state["stage"], state["stage_iter"] = stage + 1, 0
+            checkpoint.save_snapshot(snap, run.ckpt_dir, run.model, run.tokenizer)
+    state.stage, state.stage_iter = stage + 1, 0
     save_checkpoint(run, cfg, ddp, passed=passed)
 
 
@@ -1208,82 +1247,82 @@ def main(cfg):
         try:
             train_loop(run, cfg, ddp)
         except Collapse as e:
-            raise UserError(metrics.collapse_message(run["ckpt_dir"], run["state"]["iter"], run["guard"].good, e)) from None
-    run["log"].say(f"done: {run['state']['iter']} iterations; model in {run['ckpt_dir']}")
+            raise UserError(metrics.collapse_message(run.ckpt_dir, run.state.iter, run.state.guard.good, e)) from None
+    run.log.say(f"done: {run.state.iter} iterations; model in {run.ckpt_dir}")
     if ddp.world > 1:
         dist.destroy_process_group()
 
 
 def train_loop(run, cfg, ddp):
     """The stages, each a loop of iterations: rollout -> loss -> step -> log -> eval / checkpoint."""
-    model, optimizer, state, dev = run["model"], run["optimizer"], run["state"], ddp.device
-    decode = functools.partial(run["tokenizer"].decode, skip_special_tokens=False)
-    total_iters = sum(iters for _, iters in run["stages"])
+    model, optimizer, state, dev = run.model, run.optimizer, run.state, ddp.device
+    decode = functools.partial(run.tokenizer.decode, skip_special_tokens=False)
+    total_iters = sum(iters for _, iters in run.stages)
     share = cfg["batch_prompts"] // ddp.world
     autocast = make_autocast(dev, cfg["dtype"])
     # stuck: consecutive iterations per warning (metrics.stuck_warnings); step_memory: the train step's peak (CUDA)
     step_memory, batch, my_tasks, stuck = StepMemory(), None, None, {}
     log_vocab = math.log(model.get_output_embeddings().weight.shape[0])  # the runaway-loss guard's scale
-    if state["iter"] == 0:  # the initial model: the guard's first bests, and ckpt_good until an eval passes
+    if state.iter == 0:  # the initial model: the guard's first bests, and ckpt_good until an eval passes
         base = run_eval(run, cfg, ddp, "start")[0]
-        state["accuracy_matrix"] = {"eval_sets": run["eval_names"], "stages": [], "rows": [], "base": base}
-        run["guard"] = metrics.Guard(best=dict(base))
+        state.accuracy_matrix = {"eval_sets": run.eval_names, "stages": [], "rows": [], "base": base}
+        state.guard = metrics.Guard(best=dict(base))
         save_checkpoint(run, cfg, ddp, passed=base)
-    for stage in range(state["stage"], len(run["stages"])):
-        name, iters = run["stages"][stage]
-        tasks = run["train_tasks"][name]
-        if stage > 0 and state["stage_iter"] == 0:
+    for stage in range(state.stage, len(run.stages)):
+        name, iters = run.stages[stage]
+        tasks = run.train_tasks[name]
+        if stage > 0 and state.stage_iter == 0:
             start_stage(run, cfg)
-        stage_desc = f"stage {stage + 1}/{len(run['stages'])} {name}" if len(run["stages"]) > 1 else name
-        while state["stage_iter"] < iters:
+        stage_desc = f"stage {stage + 1}/{len(run.stages)} {name}" if len(run.stages) > 1 else name
+        while state.stage_iter < iters:
             t0 = time.time()
-            lr = set_lr(optimizer, state["iter"], learning_rate=cfg["learning_rate"], warmup_iters=cfg["warmup_iters"],
+            lr = set_lr(optimizer, state.iter, learning_rate=cfg["learning_rate"], warmup_iters=cfg["warmup_iters"],
                         total_iters=total_iters, decay_lr=cfg["decay_lr"], min_lr=cfg["min_lr"])
             # this step's prompts: the same global batch on every rank, whole groups per rank
-            step_tasks = [run["data_rng"].choice(tasks) for _ in range(cfg["batch_prompts"])]
+            step_tasks = [state.data_rng.choice(tasks) for _ in range(cfg["batch_prompts"])]
             my_tasks = step_tasks[ddp.rank * share:(ddp.rank + 1) * share]
             # rollout, reward, advantages, teacher context, loss weights
-            batch, rollout_metrics = build_batch(my_tasks, model, run["tokenizer"], cfg, run["generator"], dev,
+            batch, rollout_metrics = build_batch(my_tasks, model, run.tokenizer, cfg, state.generator, dev,
                                                  autocast=autocast, global_sum=ddp.global_sum, progress=ddp.master)
             t1 = time.time()
             step_memory.before_step(dev)  # CUDA: the static cache goes unless it fits beside the step
             # student (and teacher) forward and backward, in micro-batches; a diverging loss stops the run
-            loss_metrics = loss_backward(model, batch, cfg, dev, teacher=run["teacher"],
-                                         initial_model=run["initial_model"])
-            metrics.check_loss(run["guard"], loss_metrics["loss"], log_vocab=log_vocab, stop=cfg["stop_on_collapse"])
+            loss_metrics = loss_backward(model, batch, cfg, dev, teacher=run.teacher,
+                                         initial_model=run.initial_model)
+            metrics.check_loss(state.guard, loss_metrics["loss"], log_vocab=log_vocab, stop=cfg["stop_on_collapse"])
             ddp.all_reduce_grads(model)
             t2 = time.time()
             # optimizer step, then the EMA teacher follows the student
             grad_norm = optimizer_step(model, optimizer, cfg["grad_clip"])
-            if run["teacher"] is not None:
-                run["teacher"].after_step(model)
+            if run.teacher is not None:
+                run.teacher.after_step(model)
             step_memory.after_step(dev)
             t3 = time.time()
-            state["iter"] += 1
-            state["stage_iter"] += 1
+            state.iter += 1
+            state.stage_iter += 1
             # log
-            record = {"iter": state["iter"], "stage": name, "lr": lr, "grad_norm": grad_norm,
+            record = {"iter": state.iter, "stage": name, "lr": lr, "grad_norm": grad_norm,
                       "optimizer_s": t3 - t2, "train_s": t3 - t1, "iter_s": t3 - t0}
             metrics.iteration_record(record, rollout_metrics, loss_metrics, algo=cfg["algo"], distill=cfg["distill"],
                                      world=ddp.world, global_sum=ddp.global_sum,
                                      ratio_max=max(ddp.gather(loss_metrics["ratio_max"])))
-            run["log"].record(record)
-            run["log"].say(metrics.console_line(stage_desc, record))
+            run.log.record(record)
+            run.log.say(metrics.console_line(stage_desc, record))
             for warning in metrics.stuck_warnings(record, stuck, cfg["algo"]):
-                run["log"].say(warning)
+                run.log.say(warning)
             # periodic eval (the collapse guard) and checkpoint; the end of a stage has its own
-            last, passed = state["stage_iter"] == iters, None
-            eval_due = not last and cfg["eval_interval"] and state["stage_iter"] % cfg["eval_interval"] == 0
+            last, passed = state.stage_iter == iters, None
+            eval_due = not last and cfg["eval_interval"] and state.stage_iter % cfg["eval_interval"] == 0
             if eval_due:
-                run["log"].samples(metrics.sample_rows(batch, my_tasks, cfg["group_size"], decode, state["iter"]))
+                run.log.samples(metrics.sample_rows(batch, my_tasks, cfg["group_size"], decode, state.iter))
                 row, lengths = run_eval(run, cfg, ddp, "periodic")
-                passed = row if metrics.check_eval(run["guard"], row, lengths, cfg, trained_sets(run, name)) else None
+                passed = row if metrics.check_eval(state.guard, row, lengths, cfg, trained_sets(run.stages, name)) else None
             if (eval_due and not cfg["save_interval"]) or (
-                    cfg["save_interval"] and state["iter"] % cfg["save_interval"] == 0 and not last):
+                    cfg["save_interval"] and state.iter % cfg["save_interval"] == 0 and not last):
                 save_checkpoint(run, cfg, ddp, passed=passed)
         # end of stage: a few rollouts, a row of the accuracy matrix, a snapshot, a checkpoint
         if batch is not None:
-            run["log"].samples(metrics.sample_rows(batch, my_tasks, cfg["group_size"], decode, state["iter"]))
+            run.log.samples(metrics.sample_rows(batch, my_tasks, cfg["group_size"], decode, state.iter))
         end_stage(run, cfg, ddp, stage, name)
 
 

@@ -29,9 +29,9 @@ def test_teacher_init_is_the_teacher(toy_data, tmp_path):
                data_dir=toy_data, tokenizer_path=os.path.join(toy_data, "toy", "tokenizer"))
     with contextlib.ExitStack() as stack:
         run = train.setup(cfg, models.Dist("cpu"), stack)
-        for a, b in zip(run["teacher"].own.parameters(), other.parameters()):
+        for a, b in zip(run.teacher.own.parameters(), other.parameters()):
             torch.testing.assert_close(a, b)
-        assert not torch.equal(next(run["model"].parameters()), next(other.parameters()))
+        assert not torch.equal(next(run.model.parameters()), next(other.parameters()))
 
 
 def test_shared_prompt_hidden_equals_one_forward_per_sequence(toy_data):
