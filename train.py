@@ -880,13 +880,13 @@ def loss_backward(model, batch, cfg, dev, *, teacher=None, initial_model=None):
     batch: a Batch with its loss weights set (build_batch). Sequences with no weight anywhere are
     skipped. teacher: the run's Teacher (None: one of cfg's kind without its own copy, e.g. live);
     initial_model: the KL reference. Returns the loss, the phase times and the token diagnostics
-    (metrics.TOKEN_SUMS), summed."""
+    (metrics.TokenSums' fields), summed over the micro-batches."""
     if cfg["algo"] == "sdpo" and teacher is None:
         teacher = Teacher(cfg["teacher"], cfg["teacher_rate"], initial=initial_model)
     amp, autocast = amp_dtype(dev, cfg["dtype"]), make_autocast(dev, cfg["dtype"])
     in_loss = [i for i, (p, d) in enumerate(zip(batch.pg_weight, batch.distill_weight)) if p.any() or d.any()]
     in_loss.sort(key=lambda i: len(batch.prompt_ids[i]) + len(batch.response_ids[i]), reverse=True)  # less padding
-    sums = dict.fromkeys(("loss", "ratio_max", "reference_s", "teacher_s", "student_s") + metrics.TOKEN_SUMS, 0.0)
+    sums, diagnostics = dict.fromkeys(("loss", "reference_s", "teacher_s", "student_s"), 0.0), metrics.TokenSums()
     token_loss = fused_token_loss if cfg["fused_loss"] else naive_token_loss
     chunk = loss_chunk_size(cfg, dev)
     options = dict(chunk_size=chunk, matmul_dtype=amp) if cfg["fused_loss"] else {}
@@ -928,14 +928,14 @@ def loss_backward(model, batch, cfg, dev, *, teacher=None, initial_model=None):
         loss.backward()
         success = None if mb.rewards is None else torch.cat(
             [torch.full((n,), r >= cfg["success_threshold"]) for n, r in zip(lengths, mb.rewards)]).to(dev)
-        diagnostics = metrics.token_sums(stats, old_logp, div_rows, success, cfg["clip_low"], cfg["clip_high"])
-        values = torch.stack(diagnostics + [loss.detach().float()]).tolist()  # one host sync per micro-batch
-        for k, v in zip(metrics.TOKEN_SUMS + ("ratio_max", "loss"), values):
-            sums[k] = max(sums[k], v) if k == "ratio_max" else sums[k] + v
+        mb_diagnostics = metrics.token_sums(stats, old_logp, div_rows, success, cfg["clip_low"], cfg["clip_high"])
+        mb_diagnostics, (mb_loss,) = mb_diagnostics.on_host(loss.detach().float())  # one host sync per micro-batch
+        diagnostics.add(mb_diagnostics)
+        sums["loss"] += mb_loss
         sums["reference_s"] += t1 - t0
         sums["teacher_s"] += t2 - t1
         sums["student_s"] += time.time() - t2
-    return sums
+    return {**sums, **asdict(diagnostics)}
 
 
 # ----------------------------------------------------------------------------- step
