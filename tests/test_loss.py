@@ -10,7 +10,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from train import TeacherLogits, distill_divergence, fused_token_loss, naive_token_loss, sampled_logprobs  # noqa: E402
+from teacher import TeacherLogits  # noqa: E402
+from train import distill_divergence, fused_token_loss, naive_token_loss, sampled_logprobs  # noqa: E402
 
 f64 = torch.float64
 
