@@ -925,34 +925,6 @@ def evaluate(model, tokenizer, tasks, *, n, temperature, top_p, max_new_tokens, 
 
 # ----------------------------------------------------------------------------- main
 @dataclass
-class TrainState:
-    """What a checkpoint saves and init_from='resume' restores: trainer/state.json (to_json, read
-    back by checkpoint.read_state) and each rank's sampling RNG (checkpoint.save's rng_tensors)."""
-    generator: torch.Generator  # this rank's sampling and density masks
-    data_rng: random.Random  # the global prompt order, the same on every rank
-    base_init: str  # the first run's init_from: a resume reloads it as the initial model
-    world: int  # ranks; a resume needs as many (each rank's sampling RNG is saved)
-    data: dict  # the task files' fingerprints; a resume checks it reads the same files
-    iter: int = 0  # optimizer steps, over all stages
-    stage: int = 0  # the current stage (len(stages) once all are done)
-    stage_iter: int = 0  # steps into the current stage
-    accuracy_matrix: dict = None  # eval_sets, stages, rows (one per finished stage), base (the initial model's row)
-    guard: metrics.Guard = None  # the collapse guard's memory, from the first eval on
-
-    def to_json(self, cfg):
-        return {"iter": self.iter, "stage": self.stage, "stage_iter": self.stage_iter,
-                "accuracy_matrix": self.accuracy_matrix, "base_init": self.base_init, "world": self.world,
-                "data": self.data, "data_rng": self.data_rng.getstate(), "guard": asdict(self.guard), "config": cfg}
-
-    def restore(self, saved, generator_state):
-        """A checkpoint's state.json (checked by checkpoint.read_state) and this rank's sampling RNG."""
-        self.iter, self.stage, self.stage_iter = saved["iter"], saved["stage"], saved["stage_iter"]
-        self.accuracy_matrix, self.guard = saved["accuracy_matrix"], metrics.Guard(**saved["guard"])
-        self.data_rng.setstate(tuple(tuple(x) if isinstance(x, list) else x for x in saved["data_rng"]))
-        self.generator.set_state(generator_state)
-
-
-@dataclass
 class Run:
     """What a run holds from setup to its end; train_loop and its helpers read it as run.model, ..."""
     model: torch.nn.Module  # the student
@@ -960,7 +932,7 @@ class Run:
     optimizer: torch.optim.Optimizer
     teacher: Teacher  # None unless algo='sdpo'
     initial_model: torch.nn.Module  # frozen; None unless the KL term, the teacher or a stage reset reads it
-    state: TrainState
+    state: checkpoint.TrainState
     stages: list  # [(dataset name, iterations)]
     eval_names: list  # the eval sets, in the accuracy matrix's column order
     train_tasks: dict  # stage dataset name -> tasks
@@ -1007,8 +979,9 @@ def setup(cfg, ddp, stack):
         model, tokenizer = load_model(ckpt_dir, dev, scratch=cfg)
         eval_demos = fit_prompts(train_tasks, eval_tasks, model, tokenizer, cfg, log)
     # the guard's memory starts at the first eval (train_loop); a resumed run's comes with the rest
-    state = TrainState(generator=make_generator(cfg["seed"] + ddp.rank, dev), data_rng=random.Random(cfg["seed"]),
-                       base_init=saved["base_init"] if resume else cfg["init_from"], world=ddp.world, data=data)
+    state = checkpoint.TrainState(generator=make_generator(cfg["seed"] + ddp.rank, dev), data_rng=random.Random(cfg["seed"]),
+                                  base_init=saved["base_init"] if resume else cfg["init_from"], world=ddp.world,
+                                  data=data)
     if not has_chat_template(tokenizer):
         log.say(f"note: {cfg['init_from']}'s tokenizer has no chat template: prompts are the messages' text, one per line")
     disable_dropout(model).train()  # dropout off (the RL references' choice): ρ = 1 before any update
