@@ -36,9 +36,10 @@ One iteration of the loop, in the order the code runs (and the order of this fil
                   sdpo  D(student ‖ teacher) on the distillation mask = response × has-teacher ×
                         density mask (each token kept with probability `density`, redrawn every
                         step), weighted by min(ρ, is_clip) (detached), mixed with the GRPO loss by
-                        grpo_mix. D: alpha=0 forward KL(q‖p), alpha=1 reverse KL(p‖q), else the
-                        generalized JSD; over the full vocab, the student's top-k (+ a tail
-                        bucket), or the sampled-token estimator sg(log p − log q)·log p.
+                        grpo_mix (make_loss_fn has the formula). D, for student p and teacher q:
+                        alpha=0 forward KL(q‖p), alpha=1 reverse KL(p‖q), else the generalized
+                        JSD; over the full vocab, the student's top-k (+ a tail bucket), or the
+                        sampled-token estimator sg(log p − log q)·log p.
                 All of it goes through one fused, chunked LM-head loss (fused_loss=True) so no
                 [tokens, vocab] logits tensor is ever materialised whole (the appendix at the end).
   6. step       AdamW, linear warmup then constant lr (or a cosine to min_lr with decay_lr),
@@ -167,7 +168,7 @@ teacher = "ema"  # 'frozen', 'ema', 'trust_region' or 'live'
 teacher_rate = 0.05  # ema: τ per optimizer step; trust_region: μ, the weight of the current model
 teacher_init = ""  # optional HF folder / hub id mixed into the initial teacher weights
 teacher_init_alpha = 1.0  # weight of teacher_init in the initial teacher (1 = the teacher is that checkpoint)
-alpha = 0.5  # 0 = forward KL(q‖p), 1 = reverse KL(p‖q), between = generalized JSD
+alpha = 0.5  # student p, teacher q: 0 = forward KL(q‖p), 1 = reverse KL(p‖q), between = generalized JSD
 distill = "topk"  # 'topk', 'full' or 'token' (sampled-token estimator, reverse KL)
 topk = 100  # student top-k support for distill='topk'
 tail = True  # add a tail bucket with the remaining mass (else renormalise over the top-k)
@@ -309,8 +310,8 @@ class Batch:
     rewards: list = None  # reward: score in [0, 1]
     advantages: list = None  # advantage: one number per row
     teacher_prompt_ids: list = None  # teacher context: the teacher's prompt ids, or None (no signal)
-    pg_weight: list = None  # assembly: [n] weight of each token in the GRPO / SFT term
-    distill_weight: list = None  # assembly: [n] weight of each token in the distillation term
+    pg_weight: list = None  # assembly: [n] each token's weight in the GRPO / SFT term, λ / Z_pg (make_loss_fn)
+    distill_weight: list = None  # assembly: [n] each token's weight in the distillation term, (1 − λ) / Z_D
 
     def take(self, rows):
         """The same batch restricted to `rows` (a micro-batch)."""
@@ -483,8 +484,13 @@ def teacher_messages(messages, peer, feedback, cfg):
 
 
 # ----------------------------------------------------------------------------- batch assembly
-def build_batch(tasks, model, tokenizer, cfg, generator, dev, *, autocast=contextlib.nullcontext, global_sum=list,
-                progress=False):
+# global_sum adds a list of numbers elementwise over ranks (DDP: Dist.global_sum), so every weight
+# divides by the whole step's count; in one process the numbers are already the step's: a no-op.
+single_process_sum = list
+
+
+def build_batch(tasks, model, tokenizer, cfg, generator, dev, *, autocast=contextlib.nullcontext,
+                global_sum=single_process_sum, progress=False):
     """Rollout → reward → advantages → teacher context → loss weights, for one iteration's prompts.
 
     Returns (Batch, metrics). For algo='sft' the responses are the reference solutions. With
@@ -519,8 +525,9 @@ def build_batch(tasks, model, tokenizer, cfg, generator, dev, *, autocast=contex
     # overlong_filter so are responses cut off at max_new_tokens (their reward judges no answer)
     kept = [not (cfg["overlong_filter"] and cut) for cut in batch.truncated]
     has_signal = [(a != 0 or cfg["kl_coef"] > 0) and k for a, k in zip(batch.advantages, kept)]
-    pg_scale = cfg["grpo_mix"] if cfg["algo"] == "sdpo" else 1.0
-    batch.pg_weight = [w * pg_scale for w in grpo_weights(lengths, has_signal, cfg["loss_agg"], cfg["max_new_tokens"],
+    # the loss's mix λ = grpo_mix goes into the weights here, beside the normalisers (make_loss_fn's formula)
+    grpo_share = cfg["grpo_mix"] if cfg["algo"] == "sdpo" else 1.0
+    batch.pg_weight = [w * grpo_share for w in grpo_weights(lengths, has_signal, cfg["loss_agg"], cfg["max_new_tokens"],
                                                           global_sum)]
     batch.teacher_prompt_ids, batch.distill_weight = [None] * len(lengths), [torch.zeros(n) for n in lengths]
     metrics = {}
@@ -560,8 +567,9 @@ def template_teacher_prompts(tokenizer, tasks, inputs, group_size, cfg, limit):
     return out, cut
 
 
-def distill_weights(masks, agg, scale, global_sum=list):
-    """Per-token weights of the distillation term over the whole step (all micro-batches, all ranks).
+def distill_weights(masks, agg, scale, global_sum=single_process_sum):
+    """Per-token weights of the distillation term over the whole step (all micro-batches, all ranks):
+    scale (the loss's 1 − grpo_mix) over the normaliser.
     token-mean: every distilled token alike, 1 / (distilled tokens in the step); seq-mean (as
     lasgroup/SDPO and TRL): each response's mean over its distilled tokens, averaged over every
     response of the step, those without a teacher counting as 0 -- so the step shrinks with the
@@ -574,11 +582,10 @@ def distill_weights(masks, agg, scale, global_sum=list):
     return [m.float() * scale / z for m, z in zip(masks, norms)]
 
 
-def grpo_weights(n_tokens, has_signal, loss_agg, max_new_tokens, global_sum=list):
+def grpo_weights(n_tokens, has_signal, loss_agg, max_new_tokens, global_sum=single_process_sum):
     """Per-token aggregation weights of the GRPO term over the whole step.
 
-    n_tokens: response length of each sequence; has_signal: bool per sequence.
-    global_sum adds a list of numbers elementwise over ranks (in one process: `list`, a no-op)."""
+    n_tokens: response length of each sequence; has_signal: bool per sequence."""
     kept = [n for n, k in zip(n_tokens, has_signal) if k]
     total, n_seq = global_sum([sum(kept), len(kept)])
     total, n_seq = max(total, 1), max(n_seq, 1)
@@ -624,8 +631,13 @@ def make_loss_fn(*, algo, old_logp, ref_logp, advantage, pg_weight, distill_weig
     logp [c]: the student's log-prob of each token (differentiable); div [c]: the divergence to
     the teacher (differentiable, 0 outside the distillation rows); teacher_logp [c]: the teacher's
     log-prob of the token; rows: the chunk's slice of the [N] tensors given here.
-    Normaliser: pg_weight and distill_weight already divide by the whole step's token count
-    (grpo_weights, build_batch), so the chunk losses just add up."""
+
+    The step's loss, as the paper writes it (λ = grpo_mix for sdpo; sft and grpo: λ = 1, no D):
+        L = λ · Σ_t pg_t / Z_pg  +  (1 − λ) · Σ_t min(ρ_t, is_clip) · D_t / Z_D
+    pg_t: PPO-clip (+ kl_coef · k3) or the SFT cross-entropy; D_t: the divergence at distilled
+    tokens; Z: the normalisers over the whole step, all micro-batches and ranks (grpo_weights by
+    loss_agg, distill_weights by distill_agg). build_batch folds both factors into the weights
+    given here, pg_weight = λ / Z_pg and distill_weight = (1 − λ) / Z_D, so the chunk losses add up."""
     def loss_fn(logp, div, teacher_logp, rows):
         w_pg, w_d = pg_weight[rows], distill_weight[rows]
         if algo == "sft":
@@ -1138,7 +1150,7 @@ def main(cfg):
 def train_loop(run, cfg, ddp):
     """The stages, each a loop of iterations: rollout -> loss -> step -> log -> eval / checkpoint."""
     model, optimizer, state, dev = run.model, run.optimizer, run.state, ddp.device
-    decode = functools.partial(run.tokenizer.decode, skip_special_tokens=False)
+    detokenize = functools.partial(run.tokenizer.decode, skip_special_tokens=False)  # (decode() is the rollout's)
     total_iters = sum(iters for _, iters in run.stages)
     share = cfg["batch_prompts"] // ddp.world
     autocast = make_autocast(dev, cfg["dtype"])
@@ -1196,7 +1208,7 @@ def train_loop(run, cfg, ddp):
             last, passed = state.stage_iter == iters, None
             eval_due = not last and cfg["eval_interval"] and state.stage_iter % cfg["eval_interval"] == 0
             if eval_due:
-                run.log.samples(metrics.sample_rows(batch, my_tasks, cfg["group_size"], decode, state.iter))
+                run.log.samples(metrics.sample_rows(batch, my_tasks, cfg["group_size"], detokenize, state.iter))
                 row, lengths = run_eval(run, cfg, ddp, "periodic")
                 passed = row if metrics.check_eval(state.guard, row, lengths, cfg, trained_sets(run.stages, name)) else None
             if (eval_due and not cfg["save_interval"]) or (
@@ -1204,7 +1216,7 @@ def train_loop(run, cfg, ddp):
                 save_checkpoint(run, cfg, ddp, passed=passed)
         # end of stage: a few rollouts, a row of the accuracy matrix, a snapshot, a checkpoint
         if batch is not None:
-            run.log.samples(metrics.sample_rows(batch, my_tasks, cfg["group_size"], decode, state.iter))
+            run.log.samples(metrics.sample_rows(batch, my_tasks, cfg["group_size"], detokenize, state.iter))
         end_stage(run, cfg, ddp, stage, name)
 
 
