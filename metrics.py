@@ -175,6 +175,26 @@ def sample_rows(batch, tasks, group_size, decode, iteration, k=4, per_group=2):
     return rows
 
 
+# ----------------------------------------------------------------------------- eval scores
+def pass_at_k(n, c, k):
+    """Unbiased pass@k from n samples with c correct (Chen et al. 2021)."""
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.prod((n - c - i) / (n - i) for i in range(k))
+
+
+def accuracy_summary(scores, ks=None, threshold=1.0):
+    """Per-prompt lists of n scores -> mean@n (the mean score) and pass@k for each k <= n in ks
+    (default: k = n), the unbiased estimator over the samples with score >= threshold."""
+    n = len(scores[0])
+    correct = [sum(s >= threshold for s in row) for row in scores]
+    out = {f"mean@{n}": sum(map(sum, scores)) / (n * len(scores))}
+    for k in ks or [n]:
+        if k <= n:
+            out[f"pass@{k}"] = sum(pass_at_k(n, c, k) for c in correct) / len(correct)
+    return out
+
+
 # ----------------------------------------------------------------------------- the collapse guard
 # It watches training, not the disk: after every eval (every eval set, not only the one trained on)
 # and after every loss. Its memory is saved with each checkpoint (state.json "guard"), so a resumed
@@ -210,6 +230,12 @@ def eval_problems(row, lengths, best, trained=None):
         elif acc < floor or (acc == 0.0 < best.get(name, 0.0)):
             out.append(f"{name} fell to {acc:.3f} from its best {best[name]:.3f}")
     return out
+
+
+def trained_sets(stages, stage_name):
+    """The eval sets the collapse guard judges against half their best: all in a one-stage run; in
+    a continual run the current stage's own (an earlier domain may be forgotten, down to zero)."""
+    return set(stage_name.split("+")) if len(stages) > 1 else None
 
 
 def check_eval(guard, row, lengths, cfg, trained=None):

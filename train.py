@@ -83,7 +83,7 @@ from tqdm import tqdm
 import checkpoint
 import metrics
 from configurator import UserError, check_seed, check_template, require
-from metrics import Collapse
+from metrics import Collapse, accuracy_summary
 from data import checkers, tasks as task_files
 from models import (Dist, StepMemory, amp_dtype, context_length, disable_dropout, enable_grad_checkpointing, eval_mode,
                     fit_prompt, fit_tasks, forward_with_cache, fp32_out_mm, frozen_copy, has_chat_template, lm_head,
@@ -484,8 +484,8 @@ def teacher_messages(messages, peer, feedback, cfg):
 
 
 # ----------------------------------------------------------------------------- batch assembly
-# global_sum adds a list of numbers elementwise over ranks (DDP: Dist.global_sum), so every weight
-# divides by the whole step's count; in one process the numbers are already the step's: a no-op.
+# global_sum adds numbers elementwise over ranks (DDP: Dist.global_sum), so each weight divides by the
+# whole step's count; in one process they are the step's already: single_process_sum is a no-op.
 single_process_sum = list
 
 
@@ -802,8 +802,7 @@ def loss_backward(model, batch, cfg, dev, *, teacher=None, initial_model=None):
     skipped. teacher: the run's Teacher (None: one of cfg's kind without its own copy, e.g. live);
     initial_model: the KL reference. Returns the loss, the phase times and the token diagnostics
     (metrics.TokenSums' fields), summed over the micro-batches."""
-    if cfg["algo"] == "sdpo" and teacher is None:
-        teacher = Teacher(cfg["teacher"], cfg["teacher_rate"], initial=initial_model)
+    teacher = teacher or Teacher(cfg["teacher"], cfg["teacher_rate"], initial=initial_model)  # (read by sdpo only)
     amp, autocast = amp_dtype(dev, cfg["dtype"]), make_autocast(dev, cfg["dtype"])
     in_loss = [i for i, (p, d) in enumerate(zip(batch.pg_weight, batch.distill_weight)) if p.any() or d.any()]
     in_loss.sort(key=lambda i: len(batch.prompt_ids[i]) + len(batch.response_ids[i]), reverse=True)  # less padding
@@ -890,25 +889,6 @@ def optimizer_step(model, optimizer, grad_clip):
 
 
 # ----------------------------------------------------------------------------- eval
-def pass_at_k(n, c, k):
-    """Unbiased pass@k from n samples with c correct (Chen et al. 2021)."""
-    if n - c < k:
-        return 1.0
-    return 1.0 - math.prod((n - c - i) / (n - i) for i in range(k))
-
-
-def accuracy_summary(scores, ks=None, threshold=1.0):
-    """Per-prompt lists of n scores -> mean@n (the mean score) and pass@k for each k <= n in ks
-    (default: k = n), the unbiased estimator over the samples with score >= threshold."""
-    n = len(scores[0])
-    correct = [sum(s >= threshold for s in row) for row in scores]
-    out = {f"mean@{n}": sum(map(sum, scores)) / (n * len(scores))}
-    for k in ks or [n]:
-        if k <= n:
-            out[f"pass@{k}"] = sum(pass_at_k(n, c, k) for c in correct) / len(correct)
-    return out
-
-
 @torch.no_grad()
 def evaluate(model, tokenizer, tasks, *, n, temperature, top_p, max_new_tokens, batch_prompts, generator,
              enable_thinking=False, success_threshold=1.0, progress=False, static=False, max_rows=0,
@@ -1109,17 +1089,11 @@ def start_stage(run, cfg):
         run.teacher.start_stage(cfg["teacher_stage_reset"], run.model, run.initial_model)
 
 
-def trained_sets(stages, stage_name):
-    """The eval sets the collapse guard judges against half their best: all in a one-stage run; in
-    a continual run the current stage's own (an earlier domain may be forgotten, down to zero)."""
-    return set(stage_name.split("+")) if len(stages) > 1 else None
-
-
 def end_stage(run, cfg, ddp, stage, name):
     """A row of the accuracy matrix (every eval set), a model snapshot, a checkpoint."""
     state = run.state
     row, lengths = run_eval(run, cfg, ddp, f"end of stage {stage + 1}")
-    passed = row if metrics.check_eval(state.guard, row, lengths, cfg, trained_sets(run.stages, name)) else None  # may stop
+    passed = row if metrics.check_eval(state.guard, row, lengths, cfg, metrics.trained_sets(run.stages, name)) else None
     state.accuracy_matrix["stages"].append(name)
     state.accuracy_matrix["rows"].append([row[s] for s in run.eval_names])
     if ddp.master:
@@ -1164,7 +1138,7 @@ def train_loop(run, cfg, ddp):
         save_checkpoint(run, cfg, ddp, passed=base)
     for stage in range(state.stage, len(run.stages)):
         name, iters = run.stages[stage]
-        tasks = run.train_tasks[name]
+        tasks, trained = run.train_tasks[name], metrics.trained_sets(run.stages, name)  # trained: the guard's judged sets
         if stage > 0 and state.stage_iter == 0:
             start_stage(run, cfg)
         stage_desc = f"stage {stage + 1}/{len(run.stages)} {name}" if len(run.stages) > 1 else name
@@ -1210,7 +1184,7 @@ def train_loop(run, cfg, ddp):
             if eval_due:
                 run.log.samples(metrics.sample_rows(batch, my_tasks, cfg["group_size"], detokenize, state.iter))
                 row, lengths = run_eval(run, cfg, ddp, "periodic")
-                passed = row if metrics.check_eval(state.guard, row, lengths, cfg, trained_sets(run.stages, name)) else None
+                passed = row if metrics.check_eval(state.guard, row, lengths, cfg, trained) else None  # may stop
             if (eval_due and not cfg["save_interval"]) or (
                     cfg["save_interval"] and state.iter % cfg["save_interval"] == 0 and not last):
                 save_checkpoint(run, cfg, ddp, passed=passed)
