@@ -30,13 +30,16 @@ import fcntl
 import hashlib
 import json
 import os
+import random
 import re
 import shutil
 import struct
+from dataclasses import asdict, dataclass
 
 import torch
 from safetensors.torch import load_file, load_model, save_file, save_model
 
+import metrics
 from configurator import UserError
 
 RUN_OUTPUTS = r"log\.jsonl|samples\.jsonl|accuracy_matrix\.json|ckpt(_good)?(\.tmp|\.old)?|stage\d+_.+|eval(_\w+)?\.(json|md|png)"
@@ -340,6 +343,35 @@ def read_state(ckpt_dir):
         if name.endswith(".safetensors"):
             check_safetensors(os.path.join(ckpt_dir, name))
     return state
+
+
+# ----------------------------------------------------------------------------- the state
+@dataclass
+class TrainState:
+    """What a checkpoint saves and init_from='resume' restores: trainer/state.json (to_json, read
+    back by read_state, whose STATE_TYPES it matches) and each rank's sampling RNG (save's rng_tensors)."""
+    generator: torch.Generator  # this rank's sampling and density masks
+    data_rng: random.Random  # the global prompt order, the same on every rank
+    base_init: str  # the first run's init_from: a resume reloads it as the initial model
+    world: int  # ranks; a resume needs as many (each rank's sampling RNG is saved)
+    data: dict  # the task files' fingerprints; a resume checks it reads the same files
+    iter: int = 0  # optimizer steps, over all stages
+    stage: int = 0  # the current stage (len(stages) once all are done)
+    stage_iter: int = 0  # steps into the current stage
+    accuracy_matrix: dict = None  # eval_sets, stages, rows (one per finished stage), base (the initial model's row)
+    guard: metrics.Guard = None  # the collapse guard's memory, from the first eval on
+
+    def to_json(self, cfg):
+        return {"iter": self.iter, "stage": self.stage, "stage_iter": self.stage_iter,
+                "accuracy_matrix": self.accuracy_matrix, "base_init": self.base_init, "world": self.world,
+                "data": self.data, "data_rng": self.data_rng.getstate(), "guard": asdict(self.guard), "config": cfg}
+
+    def restore(self, saved, generator_state):
+        """A checkpoint's state.json (checked by read_state) and this rank's sampling RNG."""
+        self.iter, self.stage, self.stage_iter = saved["iter"], saved["stage"], saved["stage_iter"]
+        self.accuracy_matrix, self.guard = saved["accuracy_matrix"], metrics.Guard(**saved["guard"])
+        self.data_rng.setstate(tuple(tuple(x) if isinstance(x, list) else x for x in saved["data_rng"]))
+        self.generator.set_state(generator_state)
 
 
 # what resuming reads from state.json, by type (a dotted key is inside the one before its dot)

@@ -27,8 +27,6 @@ import torch
 
 from configurator import UserError
 
-TOKEN_SUMS = ("tokens", "ratio_sum", "clipped", "kl_sampler_sum", "entropy_sum", "distill_tokens", "div_sum",
-              "topk_mass_sum", "logratio_ok_sum", "logratio_ok_n", "logratio_failed_sum", "logratio_failed_n")
 STUCK_ITERS = 5  # iterations in a row before "nothing is learning" is said out loud
 
 
@@ -62,19 +60,56 @@ class RunLog:
                             "with --init_from=resume") from None
 
 
+@dataclasses.dataclass
+class TokenSums:
+    """The token diagnostics of the loss (module docstring), each summed over the tokens, but
+    ratio_max (the largest ratio). token_sums gives one micro-batch's as 0-d tensors (no host sync);
+    on_host makes them floats, and add sums the micro-batches of a step."""
+    tokens: float = 0.0
+    ratio_sum: float = 0.0
+    clipped: float = 0.0  # tokens outside the PPO clip range
+    kl_sampler_sum: float = 0.0
+    entropy_sum: float = 0.0
+    distill_tokens: float = 0.0
+    div_sum: float = 0.0
+    topk_mass_sum: float = 0.0
+    logratio_ok_sum: float = 0.0  # log q − log p at distilled tokens of successful responses
+    logratio_ok_n: float = 0.0
+    logratio_failed_sum: float = 0.0  # ... and of failed ones
+    logratio_failed_n: float = 0.0
+    ratio_max: float = 0.0
+
+    def on_host(self, *extra):
+        """(this record as floats, the extra 0-d tensors as floats), in one host sync."""
+        names = [f.name for f in dataclasses.fields(self)]
+        values = torch.stack([getattr(self, n) for n in names] + list(extra)).tolist()
+        return TokenSums(**dict(zip(names, values))), values[len(names):]
+
+    def add(self, other):
+        """Add another micro-batch's (floats): the sums add up, ratio_max is the larger."""
+        for f in dataclasses.fields(self):
+            mine, theirs = getattr(self, f.name), getattr(other, f.name)
+            setattr(self, f.name, max(mine, theirs) if f.name == "ratio_max" else mine + theirs)
+
+
+TOKEN_SUMS = tuple(f.name for f in dataclasses.fields(TokenSums) if f.name != "ratio_max")  # summed over ranks
+
+
 def token_sums(stats, old_logp, div_rows, success, clip_low, clip_high):
-    """The TOKEN_SUMS of one micro-batch, then its largest ratio: 0-d tensors (no host sync).
-    stats: the token loss's per-token logp, div, teacher_logp, entropy, topk_mass; success: bool per
-    token (its response succeeded), or None."""
+    """One micro-batch's TokenSums, as 0-d tensors (no host sync). stats: the token loss's per-token
+    logp, div, teacher_logp, entropy, topk_mass; success: bool per token (its response succeeded), or None."""
     log_ratio = stats["logp"] - old_logp
     ratio = log_ratio.exp()
     clipped = (ratio < 1 - clip_low) | (ratio > 1 + clip_high)
     logratio = (stats["teacher_logp"] - stats["logp"]) * div_rows
     ok = div_rows & success if success is not None else torch.zeros_like(div_rows)
     failed = div_rows & ~ok
-    return [ratio.new_tensor(float(len(ratio))), ratio.sum(), clipped.sum().float(), (ratio - 1 - log_ratio).sum(),
-            stats["entropy"].sum(), div_rows.sum().float(), (stats["div"] * div_rows).sum(), stats["topk_mass"].sum(),
-            (logratio * ok).sum(), ok.sum().float(), (logratio * failed).sum(), failed.sum().float(), ratio.max()]
+    return TokenSums(tokens=ratio.new_tensor(float(len(ratio))), ratio_sum=ratio.sum(), clipped=clipped.sum().float(),
+                     kl_sampler_sum=(ratio - 1 - log_ratio).sum(), entropy_sum=stats["entropy"].sum(),
+                     distill_tokens=div_rows.sum().float(), div_sum=(stats["div"] * div_rows).sum(),
+                     topk_mass_sum=stats["topk_mass"].sum(), logratio_ok_sum=(logratio * ok).sum(),
+                     logratio_ok_n=ok.sum().float(), logratio_failed_sum=(logratio * failed).sum(),
+                     logratio_failed_n=failed.sum().float(), ratio_max=ratio.max())
 
 
 def iteration_record(record, rollout, losses, *, algo, distill, world, global_sum, ratio_max):
@@ -140,6 +175,26 @@ def sample_rows(batch, tasks, group_size, decode, iteration, k=4, per_group=2):
     return rows
 
 
+# ----------------------------------------------------------------------------- eval scores
+def pass_at_k(n, c, k):
+    """Unbiased pass@k from n samples with c correct (Chen et al. 2021)."""
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.prod((n - c - i) / (n - i) for i in range(k))
+
+
+def accuracy_summary(scores, ks=None, threshold=1.0):
+    """Per-prompt lists of n scores -> mean@n (the mean score) and pass@k for each k <= n in ks
+    (default: k = n), the unbiased estimator over the samples with score >= threshold."""
+    n = len(scores[0])
+    correct = [sum(s >= threshold for s in row) for row in scores]
+    out = {f"mean@{n}": sum(map(sum, scores)) / (n * len(scores))}
+    for k in ks or [n]:
+        if k <= n:
+            out[f"pass@{k}"] = sum(pass_at_k(n, c, k) for c in correct) / len(correct)
+    return out
+
+
 # ----------------------------------------------------------------------------- the collapse guard
 # It watches training, not the disk: after every eval (every eval set, not only the one trained on)
 # and after every loss. Its memory is saved with each checkpoint (state.json "guard"), so a resumed
@@ -175,6 +230,12 @@ def eval_problems(row, lengths, best, trained=None):
         elif acc < floor or (acc == 0.0 < best.get(name, 0.0)):
             out.append(f"{name} fell to {acc:.3f} from its best {best[name]:.3f}")
     return out
+
+
+def trained_sets(stages, stage_name):
+    """The eval sets the collapse guard judges against half their best: all in a one-stage run; in
+    a continual run the current stage's own (an earlier domain may be forgotten, down to zero)."""
+    return set(stage_name.split("+")) if len(stages) > 1 else None
 
 
 def check_eval(guard, row, lengths, cfg, trained=None):

@@ -36,11 +36,12 @@ One iteration of the loop, in the order the code runs (and the order of this fil
                   sdpo  D(student ‖ teacher) on the distillation mask = response × has-teacher ×
                         density mask (each token kept with probability `density`, redrawn every
                         step), weighted by min(ρ, is_clip) (detached), mixed with the GRPO loss by
-                        grpo_mix. D: alpha=0 forward KL(q‖p), alpha=1 reverse KL(p‖q), else the
-                        generalized JSD; over the full vocab, the student's top-k (+ a tail
-                        bucket), or the sampled-token estimator sg(log p − log q)·log p.
+                        grpo_mix (make_loss_fn has the formula). D, for student p and teacher q:
+                        alpha=0 forward KL(q‖p), alpha=1 reverse KL(p‖q), else the generalized
+                        JSD; over the full vocab, the student's top-k (+ a tail bucket), or the
+                        sampled-token estimator sg(log p − log q)·log p.
                 All of it goes through one fused, chunked LM-head loss (fused_loss=True) so no
-                [tokens, vocab] logits tensor is ever materialised whole.
+                [tokens, vocab] logits tensor is ever materialised whole (the appendix at the end).
   6. step       AdamW, linear warmup then constant lr (or a cosine to min_lr with decay_lr),
                 grad clipping; then the teacher update.
   7. log        one line per iteration + out_dir/log.jsonl; periodic eval (mean@n) and atomic
@@ -82,12 +83,13 @@ from tqdm import tqdm
 import checkpoint
 import metrics
 from configurator import UserError, check_seed, check_template, require
-from metrics import Collapse
+from metrics import Collapse, accuracy_summary
 from data import checkers, tasks as task_files
 from models import (Dist, StepMemory, amp_dtype, context_length, disable_dropout, enable_grad_checkpointing, eval_mode,
                     fit_prompt, fit_tasks, forward_with_cache, fp32_out_mm, frozen_copy, has_chat_template, lm_head,
                     load_model, make_autocast, new_cache, pad_batch, prompt_budget, prompt_ids, response_hidden,
-                    shared_prompt_hidden, static_decoding, stop_token_ids, takes_position_ids, use_static_rollout)
+                    static_decoding, stop_token_ids, takes_position_ids, use_static_rollout)
+from teacher import Teacher
 
 # ----------------------------------------------------------------------------- defaults
 # Every line `name = value  # help` below is a config key: config files and --name=value
@@ -166,7 +168,7 @@ teacher = "ema"  # 'frozen', 'ema', 'trust_region' or 'live'
 teacher_rate = 0.05  # ema: τ per optimizer step; trust_region: μ, the weight of the current model
 teacher_init = ""  # optional HF folder / hub id mixed into the initial teacher weights
 teacher_init_alpha = 1.0  # weight of teacher_init in the initial teacher (1 = the teacher is that checkpoint)
-alpha = 0.5  # 0 = forward KL(q‖p), 1 = reverse KL(p‖q), between = generalized JSD
+alpha = 0.5  # student p, teacher q: 0 = forward KL(q‖p), 1 = reverse KL(p‖q), between = generalized JSD
 distill = "topk"  # 'topk', 'full' or 'token' (sampled-token estimator, reverse KL)
 topk = 100  # student top-k support for distill='topk'
 tail = True  # add a tail bucket with the remaining mass (else renormalise over the top-k)
@@ -308,8 +310,8 @@ class Batch:
     rewards: list = None  # reward: score in [0, 1]
     advantages: list = None  # advantage: one number per row
     teacher_prompt_ids: list = None  # teacher context: the teacher's prompt ids, or None (no signal)
-    pg_weight: list = None  # assembly: [n] weight of each token in the GRPO / SFT term
-    distill_weight: list = None  # assembly: [n] weight of each token in the distillation term
+    pg_weight: list = None  # assembly: [n] each token's weight in the GRPO / SFT term, λ / Z_pg (make_loss_fn)
+    distill_weight: list = None  # assembly: [n] each token's weight in the distillation term, (1 − λ) / Z_D
 
     def take(self, rows):
         """The same batch restricted to `rows` (a micro-batch)."""
@@ -482,8 +484,13 @@ def teacher_messages(messages, peer, feedback, cfg):
 
 
 # ----------------------------------------------------------------------------- batch assembly
-def build_batch(tasks, model, tokenizer, cfg, generator, dev, *, autocast=contextlib.nullcontext, global_sum=list,
-                progress=False):
+# global_sum adds numbers elementwise over ranks (DDP: Dist.global_sum), so each weight divides by the
+# whole step's count; in one process they are the step's already: single_process_sum is a no-op.
+single_process_sum = list
+
+
+def build_batch(tasks, model, tokenizer, cfg, generator, dev, *, autocast=contextlib.nullcontext,
+                global_sum=single_process_sum, progress=False):
     """Rollout → reward → advantages → teacher context → loss weights, for one iteration's prompts.
 
     Returns (Batch, metrics). For algo='sft' the responses are the reference solutions. With
@@ -518,8 +525,9 @@ def build_batch(tasks, model, tokenizer, cfg, generator, dev, *, autocast=contex
     # overlong_filter so are responses cut off at max_new_tokens (their reward judges no answer)
     kept = [not (cfg["overlong_filter"] and cut) for cut in batch.truncated]
     has_signal = [(a != 0 or cfg["kl_coef"] > 0) and k for a, k in zip(batch.advantages, kept)]
-    pg_scale = cfg["grpo_mix"] if cfg["algo"] == "sdpo" else 1.0
-    batch.pg_weight = [w * pg_scale for w in grpo_weights(lengths, has_signal, cfg["loss_agg"], cfg["max_new_tokens"],
+    # the loss's mix λ = grpo_mix goes into the weights here, beside the normalisers (make_loss_fn's formula)
+    grpo_share = cfg["grpo_mix"] if cfg["algo"] == "sdpo" else 1.0
+    batch.pg_weight = [w * grpo_share for w in grpo_weights(lengths, has_signal, cfg["loss_agg"], cfg["max_new_tokens"],
                                                           global_sum)]
     batch.teacher_prompt_ids, batch.distill_weight = [None] * len(lengths), [torch.zeros(n) for n in lengths]
     metrics = {}
@@ -559,8 +567,9 @@ def template_teacher_prompts(tokenizer, tasks, inputs, group_size, cfg, limit):
     return out, cut
 
 
-def distill_weights(masks, agg, scale, global_sum=list):
-    """Per-token weights of the distillation term over the whole step (all micro-batches, all ranks).
+def distill_weights(masks, agg, scale, global_sum=single_process_sum):
+    """Per-token weights of the distillation term over the whole step (all micro-batches, all ranks):
+    scale (the loss's 1 − grpo_mix) over the normaliser.
     token-mean: every distilled token alike, 1 / (distilled tokens in the step); seq-mean (as
     lasgroup/SDPO and TRL): each response's mean over its distilled tokens, averaged over every
     response of the step, those without a teacher counting as 0 -- so the step shrinks with the
@@ -573,11 +582,10 @@ def distill_weights(masks, agg, scale, global_sum=list):
     return [m.float() * scale / z for m, z in zip(masks, norms)]
 
 
-def grpo_weights(n_tokens, has_signal, loss_agg, max_new_tokens, global_sum=list):
+def grpo_weights(n_tokens, has_signal, loss_agg, max_new_tokens, global_sum=single_process_sum):
     """Per-token aggregation weights of the GRPO term over the whole step.
 
-    n_tokens: response length of each sequence; has_signal: bool per sequence.
-    global_sum adds a list of numbers elementwise over ranks (in one process: `list`, a no-op)."""
+    n_tokens: response length of each sequence; has_signal: bool per sequence."""
     kept = [n for n, k in zip(n_tokens, has_signal) if k]
     total, n_seq = global_sum([sum(kept), len(kept)])
     total, n_seq = max(total, 1), max(n_seq, 1)
@@ -623,8 +631,13 @@ def make_loss_fn(*, algo, old_logp, ref_logp, advantage, pg_weight, distill_weig
     logp [c]: the student's log-prob of each token (differentiable); div [c]: the divergence to
     the teacher (differentiable, 0 outside the distillation rows); teacher_logp [c]: the teacher's
     log-prob of the token; rows: the chunk's slice of the [N] tensors given here.
-    Normaliser: pg_weight and distill_weight already divide by the whole step's token count
-    (grpo_weights, build_batch), so the chunk losses just add up."""
+
+    The step's loss, as the paper writes it (λ = grpo_mix for sdpo; sft and grpo: λ = 1, no D):
+        L = λ · Σ_t pg_t / Z_pg  +  (1 − λ) · Σ_t min(ρ_t, is_clip) · D_t / Z_D
+    pg_t: PPO-clip (+ kl_coef · k3) or the SFT cross-entropy; D_t: the divergence at distilled
+    tokens; Z: the normalisers over the whole step, all micro-batches and ranks (grpo_weights by
+    loss_agg, distill_weights by distill_agg). build_batch folds both factors into the weights
+    given here, pg_weight = λ / Z_pg and distill_weight = (1 − λ) / Z_D, so the chunk losses add up."""
     def loss_fn(logp, div, teacher_logp, rows):
         w_pg, w_d = pg_weight[rows], distill_weight[rows]
         if algo == "sft":
@@ -704,8 +717,8 @@ def naive_token_loss(hidden, weight, tokens, loss_fn, teacher=None, div_rows=Non
     """Reference implementation: full [N, V] logits in fp32 (fp64 for fp64 inputs), plain autograd.
 
     hidden [N, H] student final hidden states, weight [V, H] LM head, tokens [N] the token of each
-    row. Student logits = hidden @ weight.T / T. teacher: None or [(hidden_t [N, H], weight_t
-    [V, H], coef)], no grad: teacher logits = sum coef * hidden_t @ weight_t.T, / T.
+    row. Student logits = hidden @ weight.T / T. teacher: None or [teacher.TeacherLogits(hidden [N, H],
+    weight [V, H], coef)] (Teacher.logits), no grad: teacher logits = sum coef * hidden @ weight.T, / T.
     div_rows: bool [N] (None: all rows if there is a teacher, else none); rows outside get div = 0
     and teacher_logp = 0. Per row: logp (student log-prob at tokens), teacher_logp, and div =
     distill_divergence(...) for distill "full" / "topk", or the constant (logp - teacher_logp)
@@ -728,7 +741,7 @@ def naive_token_loss(hidden, weight, tokens, loss_fn, teacher=None, div_rows=Non
     if rows.numel() > 0 and distill == "topk":
         topk_mass[rows] = log_probs[rows].exp().topk(min(topk, log_probs.shape[1]), dim=-1).values.sum(-1)
     if rows.numel() > 0:
-        t_logits = sum(coef * (h_t.detach()[rows].to(dt) @ w_t.detach().to(dt).T) for h_t, w_t, coef in teacher)
+        t_logits = sum(part.coef * (part.hidden.detach()[rows].to(dt) @ part.weight.detach().to(dt).T) for part in teacher)
         t_logits = t_logits / temperature if temperature != 1.0 else t_logits
         t_lp = torch.log_softmax(t_logits, -1).gather(1, tokens[rows, None]).squeeze(1)
         teacher_logp = teacher_logp.index_put((rows,), t_lp)
@@ -742,8 +755,450 @@ def naive_token_loss(hidden, weight, tokens, loss_fn, teacher=None, div_rows=Non
     return loss, {k: v.detach().float() for k, v in stats.items()}
 
 
-# ----------------------------------------------------------------------------- the fused loss
-# The same loss as naive_token_loss without any [N, V] tensor: rows are processed in chunks, and
+@torch.no_grad()
+def sampled_logprobs(hidden, weight, tokens, temperature=1.0, chunk_size=128, matmul_dtype=None):
+    """log-softmax(hidden @ weight.T / T) at tokens, [N] fp32, chunked, no grad (e.g. the
+    reference model's log-probs for the KL term)."""
+    mm = matmul_dtype or hidden.dtype
+    dt = torch.promote_types(mm, torch.float32)
+    w = weight.to(mm)
+    out = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+    for a in range(0, hidden.shape[0], chunk_size):
+        z = (hidden[a:a + chunk_size].to(mm) @ w.T).to(dt)
+        if temperature != 1.0:
+            z.div_(temperature)
+        lse = torch.logsumexp(z, 1)
+        out[a:a + chunk_size] = (z.gather(1, tokens[a:a + chunk_size, None].long()).squeeze(1) - lse).float()
+    return out
+
+
+# ----------------------------------------------------------------------------- loss and backward
+def select_by_divergence(h, weight, tokens, teacher_logits, distill_weight, *, lengths, cfg, token_loss, options):
+    """density_select='disagree': each response keeps its number of distilled tokens, moved to the
+    tokens where the divergence to the teacher is largest (one no-grad pass of the token loss)."""
+    starts = [0, *itertools.accumulate(lengths)]
+    weights = distill_weight.cpu()  # counts and flags from one host copy, not a sync per response
+    counts = [int((weights[a:a + n] > 0).sum()) for a, n in zip(starts, lengths)]
+    has_teacher = torch.cat([torch.full((n,), k > 0) for n, k in zip(lengths, counts)]).to(h.device)
+    with torch.no_grad():  # detached weight: the fused loss then builds no weight gradient
+        _, stats = token_loss(h.detach(), weight.detach(), tokens, lambda logp, div, t_logp, rows: logp.sum(),
+                              teacher=teacher_logits, div_rows=has_teacher, alpha=cfg["alpha"], distill=cfg["distill"],
+                              topk=cfg["topk"], tail=cfg["tail"], temperature=cfg["temperature"], **options)
+    selected = torch.zeros_like(distill_weight)
+    for a, n, k in zip(starts, lengths, counts):
+        if k:
+            selected[a + stats["div"][a:a + n].abs().topk(k).indices] = float(weights[a:a + n].max())
+    return selected
+
+
+def loss_chunk_size(cfg, dev):
+    return cfg["loss_chunk"] or (128 if dev.type == "cpu" else 512)
+
+
+def loss_backward(model, batch, cfg, dev, *, teacher=None, initial_model=None):
+    """Forward + backward over the sequences of one optimizer step, in micro-batches.
+
+    batch: a Batch with its loss weights set (build_batch). Sequences with no weight anywhere are
+    skipped. teacher: the run's Teacher (None: one of cfg's kind without its own copy, e.g. live);
+    initial_model: the KL reference. Returns the loss, the phase times and the token diagnostics
+    (metrics.TokenSums' fields), summed over the micro-batches."""
+    teacher = teacher or Teacher(cfg["teacher"], cfg["teacher_rate"], initial=initial_model)  # (read by sdpo only)
+    amp, autocast = amp_dtype(dev, cfg["dtype"]), make_autocast(dev, cfg["dtype"])
+    in_loss = [i for i, (p, d) in enumerate(zip(batch.pg_weight, batch.distill_weight)) if p.any() or d.any()]
+    in_loss.sort(key=lambda i: len(batch.prompt_ids[i]) + len(batch.response_ids[i]), reverse=True)  # less padding
+    sums, diagnostics = dict.fromkeys(("loss", "reference_s", "teacher_s", "student_s"), 0.0), metrics.TokenSums()
+    token_loss = fused_token_loss if cfg["fused_loss"] else naive_token_loss
+    chunk = loss_chunk_size(cfg, dev)
+    options = dict(chunk_size=chunk, matmul_dtype=amp) if cfg["fused_loss"] else {}
+    temperature = 1.0 if cfg["algo"] == "sft" else cfg["temperature"]
+    for start in range(0, len(in_loss), cfg["micro_batch_size"]):
+        mb = batch.take(in_loss[start:start + cfg["micro_batch_size"]])
+        tokens = torch.tensor([t for r in mb.response_ids for t in r], device=dev)
+        lengths = [len(r) for r in mb.response_ids]
+        distill_weight = torch.cat(mb.distill_weight).to(dev)
+        div_rows = distill_weight > 0
+        ref_logp, teacher_logits, t0 = None, None, time.time()
+        with autocast():
+            if cfg["kl_coef"] > 0 and cfg["algo"] != "sft":
+                with torch.no_grad(), eval_mode(initial_model):
+                    w0, s0 = lm_head(initial_model)
+                    h0 = response_hidden(initial_model, mb.prompt_ids, mb.response_ids, dev)
+                    ref_logp = sampled_logprobs(h0 * s0 if s0 != 1 else h0, w0, tokens, cfg["temperature"], chunk, amp)
+            t1 = time.time()
+            if cfg["algo"] == "sdpo" and div_rows.any():  # teacher forwards only for responses with a signal
+                prompts = [t if w.any() else None for t, w in zip(mb.teacher_prompt_ids, mb.distill_weight)]
+                teacher_logits = teacher.logits(model, prompts, mb.response_ids, dev)
+            t2 = time.time()
+            h = response_hidden(model, mb.prompt_ids, mb.response_ids, dev)
+            weight, scale = lm_head(model)  # logits = scale · (h @ weight.T): the scale goes on h
+            h = h * scale if scale != 1 else h
+        if teacher_logits and cfg["density_select"] == "disagree":
+            distill_weight = select_by_divergence(h, weight, tokens, teacher_logits, distill_weight, lengths=lengths, cfg=cfg,
+                                                  token_loss=token_loss, options=options)
+            div_rows = distill_weight > 0
+        old_logp = torch.cat(mb.old_logprobs).to(dev)
+        loss_fn = make_loss_fn(
+            algo=cfg["algo"], old_logp=old_logp, ref_logp=ref_logp,
+            advantage=torch.cat([torch.full((n,), float(a)) for n, a in zip(lengths, mb.advantages)]).to(dev),
+            pg_weight=torch.cat(mb.pg_weight).to(dev), distill_weight=distill_weight, clip_low=cfg["clip_low"],
+            clip_high=cfg["clip_high"], kl_coef=cfg["kl_coef"], is_clip=cfg["is_clip"], distill=cfg["distill"])
+        loss, stats = token_loss(h, weight, tokens, loss_fn, teacher=teacher_logits,
+                                 div_rows=div_rows if teacher_logits else None, alpha=cfg["alpha"], distill=cfg["distill"],
+                                 topk=cfg["topk"], tail=cfg["tail"], temperature=temperature, **options)
+        loss.backward()
+        success = None if mb.rewards is None else torch.cat(
+            [torch.full((n,), r >= cfg["success_threshold"]) for n, r in zip(lengths, mb.rewards)]).to(dev)
+        mb_diagnostics = metrics.token_sums(stats, old_logp, div_rows, success, cfg["clip_low"], cfg["clip_high"])
+        mb_diagnostics, (mb_loss,) = mb_diagnostics.on_host(loss.detach().float())  # one host sync per micro-batch
+        diagnostics.add(mb_diagnostics)
+        sums["loss"] += mb_loss
+        sums["reference_s"] += t1 - t0
+        sums["teacher_s"] += t2 - t1
+        sums["student_s"] += time.time() - t2
+    return {**sums, **asdict(diagnostics)}
+
+
+# ----------------------------------------------------------------------------- step
+def set_lr(optimizer, it, *, learning_rate, warmup_iters, total_iters, decay_lr, min_lr):
+    """Linear warmup, then constant, or a cosine from learning_rate to min_lr at the last iteration."""
+    if it < warmup_iters:
+        lr = learning_rate * (it + 1) / warmup_iters
+    elif decay_lr:
+        progress = (it + 1 - warmup_iters) / max(1, total_iters - warmup_iters)
+        lr = min_lr + 0.5 * (learning_rate - min_lr) * (1 + math.cos(math.pi * min(1.0, progress)))
+    else:
+        lr = learning_rate
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    return lr
+
+
+def optimizer_step(model, optimizer, grad_clip):
+    """Clip and step; raise Collapse on a non-finite gradient (no step taken) or when the step left
+    non-finite weights (an overflowing learning rate): sampling from them would fail next."""
+    params = [p for p in model.parameters() if p.grad is not None]
+    norm = torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip > 0 else float("inf"))
+    if not torch.isfinite(norm):
+        optimizer.zero_grad(set_to_none=True)
+        raise Collapse(f"gradient norm is {norm.item()}")
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    if not torch.isfinite(torch.stack(torch._foreach_norm(list(model.parameters())))).all():
+        raise Collapse("the weights are not finite after the optimizer step (the update overflowed)")
+    return norm.item()
+
+
+# ----------------------------------------------------------------------------- eval
+@torch.no_grad()
+def evaluate(model, tokenizer, tasks, *, n, temperature, top_p, max_new_tokens, batch_prompts, generator,
+             enable_thinking=False, success_threshold=1.0, progress=False, static=False, max_rows=0,
+             math_checker="builtin"):
+    """Sample n responses per task; return mean@n, pass@n, mean length, and per-task scores/texts."""
+    scores, texts, lengths = [], [], []
+    eos_ids = stop_token_ids(model, tokenizer)
+    # progress bars only on a terminal (disable=None): a log file gets the eval line, not the bar
+    for start in tqdm(range(0, len(tasks), batch_prompts), desc="eval", disable=None if progress else True, leave=False,
+                      file=sys.stdout):
+        chunk = tasks[start:start + batch_prompts]
+        prompts = [prompt_ids(tokenizer, t["messages"], enable_thinking) for t in chunk]
+        out = generate(model, prompts, group_size=n, max_rows=max_rows, max_new_tokens=max_new_tokens,
+                       temperature=temperature, top_p=top_p, eos_ids=eos_ids, pad_id=tokenizer.pad_token_id,
+                       generator=generator, static=static)
+        decoded = tokenizer.batch_decode(out.response_ids, skip_special_tokens=True)
+        scored = rewards_of([task for task in chunk for _ in range(n)], decoded, math_checker)
+        for i, task in enumerate(chunk):
+            rows = range(i * n, (i + 1) * n)
+            scores.append([scored[r][0] for r in rows])
+            texts.append([decoded[r] for r in rows])
+            lengths.extend(len(out.response_ids[r]) for r in rows)
+    return {**accuracy_summary(scores, threshold=success_threshold), "mean_len": sum(lengths) / len(lengths),
+            "scores": scores, "texts": texts}
+
+
+# ----------------------------------------------------------------------------- main
+@dataclass
+class Run:
+    """What a run holds from setup to its end; train_loop and its helpers read it as run.model, ..."""
+    model: torch.nn.Module  # the student
+    tokenizer: object
+    optimizer: torch.optim.Optimizer
+    teacher: Teacher  # None unless algo='sdpo'
+    initial_model: torch.nn.Module  # frozen; None unless the KL term, the teacher or a stage reset reads it
+    state: checkpoint.TrainState
+    stages: list  # [(dataset name, iterations)]
+    eval_names: list  # the eval sets, in the accuracy matrix's column order
+    train_tasks: dict  # stage dataset name -> tasks
+    eval_tasks: dict  # eval set -> tasks
+    eval_demos: dict  # eval set -> tasks whose prompt is the teacher's (reference solution as demonstration)
+    log: metrics.RunLog
+    ckpt_dir: str
+
+
+def setup(cfg, ddp, stack):
+    """Everything before the first iteration: data, model, teacher copies, optimizer, resumed state.
+    Every input is checked (config, data files, model, optional packages) before out_dir is touched,
+    and an earlier run's outputs are only replaced with --overwrite=True, after all checks."""
+    dev, out_dir = ddp.device, cfg["out_dir"]
+    ckpt_dir, resume = os.path.join(out_dir, "ckpt"), cfg["init_from"] == "resume"
+    stages = parse_stages(cfg["stages"], cfg["dataset"], cfg["max_iters"])
+    eval_names = list(dict.fromkeys([s for s in cfg["eval_sets"].split(",") if s] or
+                                    [n for name, _ in stages for n in name.split("+")]))
+    train_tasks = {name: load_tasks(name, "train", cfg["data_dir"], need_solution=cfg["algo"] == "sft") for name, _ in stages}
+    eval_tasks = {name: load_tasks(name, "test", cfg["data_dir"])[:cfg["eval_max_prompts"] or None] for name in eval_names}
+    ddp.check_same(task_files.fingerprint(train_tasks, eval_tasks), f"the task files under data_dir={cfg['data_dir']}")
+    wandb = require("wandb", "wandb_log=True") if cfg["wandb_log"] and ddp.master else None  # optional packages
+    if cfg["math_checker"] == "math_verify":
+        require("math_verify", "math_checker=math_verify", "math-verify")
+    data = checkpoint.fingerprints(task_files.resolve(cfg["data_dir"]),
+                                   [(n, "train") for n in train_tasks] + [(n, "test") for n in eval_tasks])
+    log = metrics.RunLog(out_dir, cfg["log_jsonl"], None, ddp.master)
+    random.seed(cfg["seed"])
+    torch.manual_seed(cfg["seed"])
+    if not resume:
+        model, tokenizer = load_model(cfg["init_from"], dev, scratch=cfg)
+        eval_demos = fit_prompts(train_tasks, eval_tasks, model, tokenizer, cfg, log)
+    if ddp.master:  # from here on, this run owns out_dir (a fresh run's inputs are all checked by now)
+        for note in stack.enter_context(checkpoint.take_over(out_dir, resume, cfg["overwrite"])):
+            log.say(note)
+    ddp.barrier()
+    if resume:
+        saved = checkpoint.read_state(ckpt_dir)  # a damaged or foreign state.json is one line, before any change
+        checkpoint.check_same_run(saved, ddp.world, data)
+        checkpoint.check_resume(saved["config"], cfg, parse_stages(saved["config"]["stages"], saved["config"]["dataset"],
+                                saved["config"]["max_iters"]), stages, saved)  # may reopen the last stage in `saved`
+        eval_names = checkpoint.kept_eval_sets(saved["accuracy_matrix"], eval_names, log.say)
+        eval_tasks = {n: eval_tasks[n] for n in eval_names}
+        model, tokenizer = load_model(ckpt_dir, dev, scratch=cfg)
+        eval_demos = fit_prompts(train_tasks, eval_tasks, model, tokenizer, cfg, log)
+    # the guard's memory starts at the first eval (train_loop); a resumed run's comes with the rest
+    state = checkpoint.TrainState(generator=make_generator(cfg["seed"] + ddp.rank, dev), data_rng=random.Random(cfg["seed"]),
+                                  base_init=saved["base_init"] if resume else cfg["init_from"], world=ddp.world,
+                                  data=data)
+    if not has_chat_template(tokenizer):
+        log.say(f"note: {cfg['init_from']}'s tokenizer has no chat template: prompts are the messages' text, one per line")
+    disable_dropout(model).train()  # dropout off (the RL references' choice): ρ = 1 before any update
+    if cfg["grad_checkpointing"]:
+        enable_grad_checkpointing(model)
+    # the initial model: KL reference, frozen / trust-region teacher, 'initial' stage reset
+    needs_initial = (cfg["algo"] != "sft" and cfg["kl_coef"] > 0) or (cfg["algo"] == "sdpo" and (
+        Teacher.needs_initial(cfg["teacher"]) or cfg["teacher_stage_reset"] == "initial"))
+    initial_model = None
+    if needs_initial:
+        initial_model = (load_model(state.base_init, dev, scratch=cfg)[0].eval().requires_grad_(False) if resume
+                         else frozen_copy(model))  # a fresh load needs no second copy
+    teacher = Teacher.create(cfg, model, initial_model, dev, resume)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg["learning_rate"], betas=(cfg["beta1"], cfg["beta2"]),
+                                  weight_decay=cfg["weight_decay"])
+    if resume:
+        rng = checkpoint.load_trainer(ckpt_dir, saved, model, optimizer, teacher and teacher.own)
+        state.restore(saved, rng[f"sampling.{ddp.rank}"])
+        if ddp.master:
+            for name in ("log.jsonl", "samples.jsonl"):  # the iterations after the checkpoint are redone
+                checkpoint.truncate_log(os.path.join(out_dir, name), state.iter)
+        log.say(f"resumed from {ckpt_dir} at iteration {state.iter} (stage {state.stage}, step {state.stage_iter})")
+    if wandb:
+        log.wandb = wandb.init(project=cfg["wandb_project"], name=cfg["wandb_run_name"], config=cfg)
+    return Run(model=model, tokenizer=tokenizer, optimizer=optimizer, teacher=teacher, initial_model=initial_model,
+               state=state, stages=stages, eval_names=eval_names, train_tasks=train_tasks, eval_tasks=eval_tasks,
+               eval_demos=eval_demos, log=log, ckpt_dir=ckpt_dir)
+
+
+def fit_prompts(train_tasks, eval_tasks, model, tokenizer, cfg, log):
+    """The tasks that fit the model's context (models.fit_tasks), the others left out and counted:
+    prompts up to max_prompt_len (default: the context minus max_new_tokens), SFT solutions whole.
+    Returns an SDPO run's eval-time teacher prompts per eval set (each task that has a solution,
+    with it as the demonstration), those that fit as the training teacher's must."""
+    cap, context = prompt_budget(model, cfg["max_new_tokens"], cfg["max_prompt_len"])
+    fit = functools.partial(fit_tasks, tokenizer=tokenizer, enable_thinking=cfg["enable_thinking"], say=log.say)
+    for sets, whole in ((train_tasks, context if cfg["algo"] == "sft" else None), (eval_tasks, None)):
+        for name in sets:
+            sets[name] = fit(sets[name], name, cap=cap, context=whole)
+    demos = {name: [dict(t, messages=teacher_messages(t["messages"], t["solution"], None, cfg)) for t in tasks
+                    if t.get("solution")] for name, tasks in eval_tasks.items()} if cfg["algo"] == "sdpo" else {}
+    limit = min(cfg["max_reprompt_len"], context - cfg["max_new_tokens"])
+    return {name: fit(d, f"{name} (eval teacher prompts)", cap=limit, required=False) for name, d in demos.items() if d}
+
+
+def run_eval(run, cfg, ddp, tag):
+    """Score every eval set (tasks sharded over ranks), log one record with a key per set (eval/<set>/
+    mean@n, so wandb keeps every curve), and return {set: mean@n}, {set: mean response length}. An SDPO
+    run also scores its teacher reading each prompt with the reference solution as the demonstration
+    (eval/<set>/teacher_mean@n): it shows when the teacher stops being better than the student."""
+    state, n = run.state, cfg["eval_n"]
+    teacher = run.teacher and run.teacher.eval_model(run.model)
+    generators = [make_generator(cfg["seed"] + k + ddp.rank, ddp.device) for k in (1, 2)]  # the same samples each eval
+    row, lengths, record = {}, {}, {"iter": state.iter, "eval_tag": tag}
+    for name, tasks in run.eval_tasks.items():
+        acc, lengths[name] = score_set(run, cfg, ddp, run.model, tasks, generators[0])
+        row[name] = acc[f"mean@{n}"]
+        record.update({f"eval/{name}/{k}": v for k, v in acc.items()}, **{f"eval/{name}/mean_len": lengths[name]})
+        if cfg["algo"] != "sdpo" or teacher is None:
+            continue
+        demos = run.eval_demos.get(name)
+        if demos:
+            record[f"eval/{name}/teacher_mean@{n}"] = score_set(run, cfg, ddp, teacher, demos, generators[1])[0][f"mean@{n}"]
+    run.log.record(record)
+    run.log.say(f"eval @ iter {state.iter} ({tag}): " + ", ".join(f"{k} mean@{n} {v:.3f}" for k, v in row.items()))
+    return row, lengths
+
+
+def score_set(run, cfg, ddp, model, tasks, generator):
+    """mean@n / pass@n and the mean response length of `model` on one eval set, over every rank."""
+    n = cfg["eval_n"]
+    with make_autocast(ddp.device, cfg["dtype"])():
+        res = evaluate(model, run.tokenizer, tasks[ddp.rank::ddp.world], n=n, temperature=cfg["eval_temperature"],
+                       top_p=cfg["eval_top_p"], max_new_tokens=cfg["max_new_tokens"],
+                       batch_prompts=max(1, cfg["batch_prompts"] * cfg["group_size"] // n), generator=generator,
+                       enable_thinking=cfg["enable_thinking"], success_threshold=cfg["success_threshold"],
+                       static=use_static_rollout(cfg["static_rollout"], ddp.device), max_rows=cfg["gen_batch_size"],
+                       progress=ddp.master, math_checker=cfg["math_checker"])
+    per_rank = ddp.gather((res["scores"], res["mean_len"] * n * len(res["scores"])))
+    scores = [row for rank_scores, _ in per_rank for row in rank_scores]
+    return accuracy_summary(scores, threshold=cfg["success_threshold"]), sum(t for _, t in per_rank) / (n * len(scores))
+
+
+def save_checkpoint(run, cfg, ddp, passed=None):
+    """Save model, optimizer, teacher, every rank's sampling RNG, the data order and the guard (rank 0
+    writes); passed: this iteration's eval row when it passed the collapse guard -- ckpt_good/ becomes
+    this checkpoint too."""
+    model, state = run.model, run.state
+    # ranks must hold identical weights (same init, same all-reduced steps): check cheaply
+    if ddp.world > 1:
+        sums = ddp.gather(sum(p.detach().sum(dtype=torch.float64).item() for p in model.parameters()))
+        run.log.record({"iter": state.iter, "rank_param_sums": sums})
+        if len(set(sums)) > 1:
+            raise UserError(f"ranks diverged: parameter sums {sums}")
+    rng_states = ddp.gather(state.generator.get_state())
+    if passed is not None:
+        state.guard.good = {"iter": state.iter, "acc": passed}
+    if ddp.master:
+        checkpoint.save(run.ckpt_dir, model=model, tokenizer=run.tokenizer, optimizer=run.optimizer,
+                        teacher_model=run.teacher and run.teacher.own, save_dtype=cfg["save_dtype"],
+                        state=state.to_json(cfg),
+                        rng_tensors={f"sampling.{r}": g for r, g in enumerate(rng_states)})
+        if passed is not None:
+            checkpoint.keep_as_good(run.ckpt_dir, run.ckpt_dir + "_good")
+    ddp.barrier()
+
+
+def start_stage(run, cfg):
+    """A stage boundary: optionally a fresh optimizer, and the teacher per teacher_stage_reset."""
+    if cfg["reset_optimizer"]:
+        run.optimizer.state.clear()
+    if run.teacher is not None:
+        run.teacher.start_stage(cfg["teacher_stage_reset"], run.model, run.initial_model)
+
+
+def end_stage(run, cfg, ddp, stage, name):
+    """A row of the accuracy matrix (every eval set), a model snapshot, a checkpoint."""
+    state = run.state
+    row, lengths = run_eval(run, cfg, ddp, f"end of stage {stage + 1}")
+    passed = row if metrics.check_eval(state.guard, row, lengths, cfg, metrics.trained_sets(run.stages, name)) else None
+    state.accuracy_matrix["stages"].append(name)
+    state.accuracy_matrix["rows"].append([row[s] for s in run.eval_names])
+    if ddp.master:
+        checkpoint.write_json(os.path.join(cfg["out_dir"], "accuracy_matrix.json"), state.accuracy_matrix)
+        if len(run.stages) > 1:
+            snap = os.path.join(cfg["out_dir"], f"stage{stage + 1}_{name.replace('/', '_').replace('+', '_')}")
+            checkpoint.save_snapshot(snap, run.ckpt_dir, run.model, run.tokenizer)
+    state.stage, state.stage_iter = stage + 1, 0
+    save_checkpoint(run, cfg, ddp, passed=passed)
+
+
+def main(cfg):
+    check_config(cfg)
+    ddp = Dist(cfg["device"])
+    if cfg["batch_prompts"] % ddp.world:
+        raise UserError(f"batch_prompts={cfg['batch_prompts']} must be divisible by the {ddp.world} ranks")
+    with contextlib.ExitStack() as stack:  # holds out_dir's lock until the run ends, however it ends
+        run = setup(cfg, ddp, stack)
+        try:
+            train_loop(run, cfg, ddp)
+        except Collapse as e:
+            raise UserError(metrics.collapse_message(run.ckpt_dir, run.state.iter, run.state.guard.good, e)) from None
+    run.log.say(f"done: {run.state.iter} iterations; model in {run.ckpt_dir}")
+    if ddp.world > 1:
+        dist.destroy_process_group()
+
+
+def train_loop(run, cfg, ddp):
+    """The stages, each a loop of iterations: rollout -> loss -> step -> log -> eval / checkpoint."""
+    model, optimizer, state, dev = run.model, run.optimizer, run.state, ddp.device
+    detokenize = functools.partial(run.tokenizer.decode, skip_special_tokens=False)  # (decode() is the rollout's)
+    total_iters = sum(iters for _, iters in run.stages)
+    share = cfg["batch_prompts"] // ddp.world
+    autocast = make_autocast(dev, cfg["dtype"])
+    # stuck: consecutive iterations per warning (metrics.stuck_warnings); step_memory: the train step's peak (CUDA)
+    step_memory, batch, my_tasks, stuck = StepMemory(), None, None, {}
+    log_vocab = math.log(model.get_output_embeddings().weight.shape[0])  # the runaway-loss guard's scale
+    if state.iter == 0:  # the initial model: the guard's first bests, and ckpt_good until an eval passes
+        base = run_eval(run, cfg, ddp, "start")[0]
+        state.accuracy_matrix = {"eval_sets": run.eval_names, "stages": [], "rows": [], "base": base}
+        state.guard = metrics.Guard(best=dict(base))
+        save_checkpoint(run, cfg, ddp, passed=base)
+    for stage in range(state.stage, len(run.stages)):
+        name, iters = run.stages[stage]
+        tasks, trained = run.train_tasks[name], metrics.trained_sets(run.stages, name)  # trained: the guard's judged sets
+        if stage > 0 and state.stage_iter == 0:
+            start_stage(run, cfg)
+        stage_desc = f"stage {stage + 1}/{len(run.stages)} {name}" if len(run.stages) > 1 else name
+        while state.stage_iter < iters:
+            t0 = time.time()
+            lr = set_lr(optimizer, state.iter, learning_rate=cfg["learning_rate"], warmup_iters=cfg["warmup_iters"],
+                        total_iters=total_iters, decay_lr=cfg["decay_lr"], min_lr=cfg["min_lr"])
+            # this step's prompts: the same global batch on every rank, whole groups per rank
+            step_tasks = [state.data_rng.choice(tasks) for _ in range(cfg["batch_prompts"])]
+            my_tasks = step_tasks[ddp.rank * share:(ddp.rank + 1) * share]
+            # rollout, reward, advantages, teacher context, loss weights
+            batch, rollout_metrics = build_batch(my_tasks, model, run.tokenizer, cfg, state.generator, dev,
+                                                 autocast=autocast, global_sum=ddp.global_sum, progress=ddp.master)
+            t1 = time.time()
+            step_memory.before_step(dev)  # CUDA: the static cache goes unless it fits beside the step
+            # student (and teacher) forward and backward, in micro-batches; a diverging loss stops the run
+            loss_metrics = loss_backward(model, batch, cfg, dev, teacher=run.teacher,
+                                         initial_model=run.initial_model)
+            metrics.check_loss(state.guard, loss_metrics["loss"], log_vocab=log_vocab, stop=cfg["stop_on_collapse"])
+            ddp.all_reduce_grads(model)
+            t2 = time.time()
+            # optimizer step, then the EMA teacher follows the student
+            grad_norm = optimizer_step(model, optimizer, cfg["grad_clip"])
+            if run.teacher is not None:
+                run.teacher.after_step(model)
+            step_memory.after_step(dev)
+            t3 = time.time()
+            state.iter += 1
+            state.stage_iter += 1
+            # log
+            record = {"iter": state.iter, "stage": name, "lr": lr, "grad_norm": grad_norm,
+                      "optimizer_s": t3 - t2, "train_s": t3 - t1, "iter_s": t3 - t0}
+            metrics.iteration_record(record, rollout_metrics, loss_metrics, algo=cfg["algo"], distill=cfg["distill"],
+                                     world=ddp.world, global_sum=ddp.global_sum,
+                                     ratio_max=max(ddp.gather(loss_metrics["ratio_max"])))
+            run.log.record(record)
+            run.log.say(metrics.console_line(stage_desc, record))
+            for warning in metrics.stuck_warnings(record, stuck, cfg["algo"]):
+                run.log.say(warning)
+            # periodic eval (the collapse guard) and checkpoint; the end of a stage has its own
+            last, passed = state.stage_iter == iters, None
+            eval_due = not last and cfg["eval_interval"] and state.stage_iter % cfg["eval_interval"] == 0
+            if eval_due:
+                run.log.samples(metrics.sample_rows(batch, my_tasks, cfg["group_size"], detokenize, state.iter))
+                row, lengths = run_eval(run, cfg, ddp, "periodic")
+                passed = row if metrics.check_eval(state.guard, row, lengths, cfg, trained) else None  # may stop
+            if (eval_due and not cfg["save_interval"]) or (
+                    cfg["save_interval"] and state.iter % cfg["save_interval"] == 0 and not last):
+                save_checkpoint(run, cfg, ddp, passed=passed)
+        # end of stage: a few rollouts, a row of the accuracy matrix, a snapshot, a checkpoint
+        if batch is not None:
+            run.log.samples(metrics.sample_rows(batch, my_tasks, cfg["group_size"], detokenize, state.iter))
+        end_stage(run, cfg, ddp, stage, name)
+
+
+# ============================================================================= appendix: the fused loss
+# The same loss as naive_token_loss, computed in chunks (fused_loss=True, the default): nothing
+# above needs reading it to follow the algorithm; fused_token_loss is called where
+# naive_token_loss is (loss_backward), with the same arguments and result, and tests/test_loss.py
+# holds the two to each other. Without any [N, V] tensor: rows are processed in chunks, and
 # the gradients for hidden and weight are computed during the forward, so no [chunk, V] tensor
 # outlives its chunk. The matmuls run in the matmul dtype (bf16 under autocast: tensor cores,
 # fp32 accumulation inside each product); the softmax and divergence maths is fp32 (fp64 for
@@ -1034,494 +1489,6 @@ def fused_token_loss(hidden, weight, tokens, loss_fn, teacher=None, div_rows=Non
                                          temperature, chunk_size, matmul_dtype)
     return loss, dict(zip(("logp", "div", "teacher_logp", "entropy", "topk_mass"), stats))
 
-
-@torch.no_grad()
-def sampled_logprobs(hidden, weight, tokens, temperature=1.0, chunk_size=128, matmul_dtype=None):
-    """log-softmax(hidden @ weight.T / T) at tokens, [N] fp32, chunked, no grad (e.g. the
-    reference model's log-probs for the KL term)."""
-    mm = matmul_dtype or hidden.dtype
-    dt = torch.promote_types(mm, torch.float32)
-    w = weight.to(mm)
-    out = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
-    for a in range(0, hidden.shape[0], chunk_size):
-        z = (hidden[a:a + chunk_size].to(mm) @ w.T).to(dt)
-        if temperature != 1.0:
-            z.div_(temperature)
-        lse = torch.logsumexp(z, 1)
-        out[a:a + chunk_size] = (z.gather(1, tokens[a:a + chunk_size, None].long()).squeeze(1) - lse).float()
-    return out
-
-
-# ----------------------------------------------------------------------------- loss and backward
-def teacher_parts(*, mode, rate, model, teacher_model, initial_model, teacher_prompts, responses, dev):
-    """The teacher's logits as [(hidden [N, H], LM-head weight, coef)], summed by the token loss (the
-    model's logit scale is folded into coef); rows of responses without a teacher prompt stay zero
-    (they are outside div_rows). No grad."""
-    has = [i for i, t in enumerate(teacher_prompts) if t is not None]
-    lengths = [len(r) for r in responses]
-    starts = [0, *itertools.accumulate(lengths)]
-    index = torch.tensor([starts[i] + t for i in has for t in range(lengths[i])], device=dev)
-
-    def rows(m):
-        h = shared_prompt_hidden(m, [teacher_prompts[i] for i in has], [responses[i] for i in has], dev)
-        return h.new_zeros(sum(lengths), h.shape[-1]).index_copy_(0, index, h)
-
-    def part(m, coef):
-        weight, scale = lm_head(m)
-        return rows(m), weight.detach(), coef * scale
-
-    with torch.no_grad():
-        if mode in ("frozen", "ema"):
-            return [part(teacher_model, 1.0)]
-        if mode == "live":
-            return [part(model, 1.0)]
-        return [part(initial_model, 1.0 - rate), part(model, rate)]  # trust_region
-
-
-def select_by_divergence(h, weight, tokens, teacher, distill_weight, *, lengths, cfg, token_loss, options):
-    """density_select='disagree': each response keeps its number of distilled tokens, moved to the
-    tokens where the divergence to the teacher is largest (one no-grad pass of the token loss)."""
-    starts = [0, *itertools.accumulate(lengths)]
-    weights = distill_weight.cpu()  # counts and flags from one host copy, not a sync per response
-    counts = [int((weights[a:a + n] > 0).sum()) for a, n in zip(starts, lengths)]
-    has_teacher = torch.cat([torch.full((n,), k > 0) for n, k in zip(lengths, counts)]).to(h.device)
-    with torch.no_grad():  # detached weight: the fused loss then builds no weight gradient
-        _, stats = token_loss(h.detach(), weight.detach(), tokens, lambda logp, div, t_logp, rows: logp.sum(),
-                              teacher=teacher, div_rows=has_teacher, alpha=cfg["alpha"], distill=cfg["distill"],
-                              topk=cfg["topk"], tail=cfg["tail"], temperature=cfg["temperature"], **options)
-    selected = torch.zeros_like(distill_weight)
-    for a, n, k in zip(starts, lengths, counts):
-        if k:
-            selected[a + stats["div"][a:a + n].abs().topk(k).indices] = float(weights[a:a + n].max())
-    return selected
-
-
-def loss_chunk_size(cfg, dev):
-    return cfg["loss_chunk"] or (128 if dev.type == "cpu" else 512)
-
-
-def loss_backward(model, batch, cfg, dev, *, teacher_model=None, initial_model=None):
-    """Forward + backward over the sequences of one optimizer step, in micro-batches.
-
-    batch: a Batch with its loss weights set (build_batch). Sequences with no weight anywhere are
-    skipped. Returns the loss, the phase times and the token diagnostics (metrics.TOKEN_SUMS), summed."""
-    amp, autocast = amp_dtype(dev, cfg["dtype"]), make_autocast(dev, cfg["dtype"])
-    in_loss = [i for i, (p, d) in enumerate(zip(batch.pg_weight, batch.distill_weight)) if p.any() or d.any()]
-    in_loss.sort(key=lambda i: len(batch.prompt_ids[i]) + len(batch.response_ids[i]), reverse=True)  # less padding
-    sums = dict.fromkeys(("loss", "ratio_max", "reference_s", "teacher_s", "student_s") + metrics.TOKEN_SUMS, 0.0)
-    token_loss = fused_token_loss if cfg["fused_loss"] else naive_token_loss
-    chunk = loss_chunk_size(cfg, dev)
-    options = dict(chunk_size=chunk, matmul_dtype=amp) if cfg["fused_loss"] else {}
-    temperature = 1.0 if cfg["algo"] == "sft" else cfg["temperature"]
-    for start in range(0, len(in_loss), cfg["micro_batch_size"]):
-        mb = batch.take(in_loss[start:start + cfg["micro_batch_size"]])
-        tokens = torch.tensor([t for r in mb.response_ids for t in r], device=dev)
-        lengths = [len(r) for r in mb.response_ids]
-        distill_weight = torch.cat(mb.distill_weight).to(dev)
-        div_rows = distill_weight > 0
-        ref_logp, teacher, t0 = None, None, time.time()
-        with autocast():
-            if cfg["kl_coef"] > 0 and cfg["algo"] != "sft":
-                with torch.no_grad(), eval_mode(initial_model):
-                    w0, s0 = lm_head(initial_model)
-                    h0 = response_hidden(initial_model, mb.prompt_ids, mb.response_ids, dev)
-                    ref_logp = sampled_logprobs(h0 * s0 if s0 != 1 else h0, w0, tokens, cfg["temperature"], chunk, amp)
-            t1 = time.time()
-            if cfg["algo"] == "sdpo" and div_rows.any():  # teacher forwards only for responses with a signal
-                prompts = [t if w.any() else None for t, w in zip(mb.teacher_prompt_ids, mb.distill_weight)]
-                teacher = teacher_parts(mode=cfg["teacher"], rate=cfg["teacher_rate"], model=model, teacher_model=teacher_model,
-                                        initial_model=initial_model, teacher_prompts=prompts, responses=mb.response_ids,
-                                        dev=dev)
-            t2 = time.time()
-            h = response_hidden(model, mb.prompt_ids, mb.response_ids, dev)
-            weight, scale = lm_head(model)  # logits = scale · (h @ weight.T): the scale goes on h
-            h = h * scale if scale != 1 else h
-        if teacher and cfg["density_select"] == "disagree":
-            distill_weight = select_by_divergence(h, weight, tokens, teacher, distill_weight, lengths=lengths, cfg=cfg,
-                                                  token_loss=token_loss, options=options)
-            div_rows = distill_weight > 0
-        old_logp = torch.cat(mb.old_logprobs).to(dev)
-        loss_fn = make_loss_fn(
-            algo=cfg["algo"], old_logp=old_logp, ref_logp=ref_logp,
-            advantage=torch.cat([torch.full((n,), float(a)) for n, a in zip(lengths, mb.advantages)]).to(dev),
-            pg_weight=torch.cat(mb.pg_weight).to(dev), distill_weight=distill_weight, clip_low=cfg["clip_low"],
-            clip_high=cfg["clip_high"], kl_coef=cfg["kl_coef"], is_clip=cfg["is_clip"], distill=cfg["distill"])
-        loss, stats = token_loss(h, weight, tokens, loss_fn, teacher=teacher,
-                                 div_rows=div_rows if teacher else None, alpha=cfg["alpha"], distill=cfg["distill"],
-                                 topk=cfg["topk"], tail=cfg["tail"], temperature=temperature, **options)
-        loss.backward()
-        success = None if mb.rewards is None else torch.cat(
-            [torch.full((n,), r >= cfg["success_threshold"]) for n, r in zip(lengths, mb.rewards)]).to(dev)
-        diagnostics = metrics.token_sums(stats, old_logp, div_rows, success, cfg["clip_low"], cfg["clip_high"])
-        values = torch.stack(diagnostics + [loss.detach().float()]).tolist()  # one host sync per micro-batch
-        for k, v in zip(metrics.TOKEN_SUMS + ("ratio_max", "loss"), values):
-            sums[k] = max(sums[k], v) if k == "ratio_max" else sums[k] + v
-        sums["reference_s"] += t1 - t0
-        sums["teacher_s"] += t2 - t1
-        sums["student_s"] += time.time() - t2
-    return sums
-
-
-# ----------------------------------------------------------------------------- step
-def set_lr(optimizer, it, *, learning_rate, warmup_iters, total_iters, decay_lr, min_lr):
-    """Linear warmup, then constant, or a cosine from learning_rate to min_lr at the last iteration."""
-    if it < warmup_iters:
-        lr = learning_rate * (it + 1) / warmup_iters
-    elif decay_lr:
-        progress = (it + 1 - warmup_iters) / max(1, total_iters - warmup_iters)
-        lr = min_lr + 0.5 * (learning_rate - min_lr) * (1 + math.cos(math.pi * min(1.0, progress)))
-    else:
-        lr = learning_rate
-    for group in optimizer.param_groups:
-        group["lr"] = lr
-    return lr
-
-
-def optimizer_step(model, optimizer, grad_clip):
-    """Clip and step; raise Collapse on a non-finite gradient (no step taken) or when the step left
-    non-finite weights (an overflowing learning rate): sampling from them would fail next."""
-    params = [p for p in model.parameters() if p.grad is not None]
-    norm = torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip > 0 else float("inf"))
-    if not torch.isfinite(norm):
-        optimizer.zero_grad(set_to_none=True)
-        raise Collapse(f"gradient norm is {norm.item()}")
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    if not torch.isfinite(torch.stack(torch._foreach_norm(list(model.parameters())))).all():
-        raise Collapse("the weights are not finite after the optimizer step (the update overflowed)")
-    return norm.item()
-
-
-@torch.no_grad()
-def ema_update(teacher_model, student_model, rate):
-    """θ_T ← (1 − rate)·θ_T + rate·θ, once per optimizer step."""
-    torch._foreach_lerp_(list(teacher_model.parameters()), [p.detach() for p in student_model.parameters()], rate)
-
-
-# ----------------------------------------------------------------------------- eval
-def pass_at_k(n, c, k):
-    """Unbiased pass@k from n samples with c correct (Chen et al. 2021)."""
-    if n - c < k:
-        return 1.0
-    return 1.0 - math.prod((n - c - i) / (n - i) for i in range(k))
-
-
-def accuracy_summary(scores, ks=None, threshold=1.0):
-    """Per-prompt lists of n scores -> mean@n (the mean score) and pass@k for each k <= n in ks
-    (default: k = n), the unbiased estimator over the samples with score >= threshold."""
-    n = len(scores[0])
-    correct = [sum(s >= threshold for s in row) for row in scores]
-    out = {f"mean@{n}": sum(map(sum, scores)) / (n * len(scores))}
-    for k in ks or [n]:
-        if k <= n:
-            out[f"pass@{k}"] = sum(pass_at_k(n, c, k) for c in correct) / len(correct)
-    return out
-
-
-@torch.no_grad()
-def evaluate(model, tokenizer, tasks, *, n, temperature, top_p, max_new_tokens, batch_prompts, generator,
-             enable_thinking=False, success_threshold=1.0, progress=False, static=False, max_rows=0,
-             math_checker="builtin"):
-    """Sample n responses per task; return mean@n, pass@n, mean length, and per-task scores/texts."""
-    scores, texts, lengths = [], [], []
-    eos_ids = stop_token_ids(model, tokenizer)
-    # progress bars only on a terminal (disable=None): a log file gets the eval line, not the bar
-    for start in tqdm(range(0, len(tasks), batch_prompts), desc="eval", disable=None if progress else True, leave=False,
-                      file=sys.stdout):
-        chunk = tasks[start:start + batch_prompts]
-        prompts = [prompt_ids(tokenizer, t["messages"], enable_thinking) for t in chunk]
-        out = generate(model, prompts, group_size=n, max_rows=max_rows, max_new_tokens=max_new_tokens,
-                       temperature=temperature, top_p=top_p, eos_ids=eos_ids, pad_id=tokenizer.pad_token_id,
-                       generator=generator, static=static)
-        decoded = tokenizer.batch_decode(out.response_ids, skip_special_tokens=True)
-        scored = rewards_of([task for task in chunk for _ in range(n)], decoded, math_checker)
-        for i, task in enumerate(chunk):
-            rows = range(i * n, (i + 1) * n)
-            scores.append([scored[r][0] for r in rows])
-            texts.append([decoded[r] for r in rows])
-            lengths.extend(len(out.response_ids[r]) for r in rows)
-    return {**accuracy_summary(scores, threshold=success_threshold), "mean_len": sum(lengths) / len(lengths),
-            "scores": scores, "texts": texts}
-
-
-# ----------------------------------------------------------------------------- main
-def setup(cfg, ddp, stack):
-    """Everything before the first iteration: data, model, teacher copies, optimizer, resumed state.
-    Every input is checked (config, data files, model, optional packages) before out_dir is touched,
-    and an earlier run's outputs are only replaced with --overwrite=True, after all checks."""
-    dev, out_dir = ddp.device, cfg["out_dir"]
-    ckpt_dir, resume = os.path.join(out_dir, "ckpt"), cfg["init_from"] == "resume"
-    stages = parse_stages(cfg["stages"], cfg["dataset"], cfg["max_iters"])
-    eval_names = list(dict.fromkeys([s for s in cfg["eval_sets"].split(",") if s] or
-                                    [n for name, _ in stages for n in name.split("+")]))
-    train_tasks = {name: load_tasks(name, "train", cfg["data_dir"], need_solution=cfg["algo"] == "sft") for name, _ in stages}
-    eval_tasks = {name: load_tasks(name, "test", cfg["data_dir"])[:cfg["eval_max_prompts"] or None] for name in eval_names}
-    ddp.check_same(task_files.fingerprint(train_tasks, eval_tasks), f"the task files under data_dir={cfg['data_dir']}")
-    wandb = require("wandb", "wandb_log=True") if cfg["wandb_log"] and ddp.master else None  # optional packages
-    if cfg["math_checker"] == "math_verify":
-        require("math_verify", "math_checker=math_verify", "math-verify")
-    data = checkpoint.fingerprints(task_files.resolve(cfg["data_dir"]),
-                                   [(n, "train") for n in train_tasks] + [(n, "test") for n in eval_tasks])
-    state = {"iter": 0, "stage": 0, "stage_iter": 0, "accuracy_matrix": None, "base_init": cfg["init_from"],
-             "world": ddp.world, "data": data}  # the last two: what a resumed run checks it runs on
-    guard = None  # the collapse guard's memory: a fresh run's starts at its first eval (train_loop)
-    log = metrics.RunLog(out_dir, cfg["log_jsonl"], None, ddp.master)
-    random.seed(cfg["seed"])
-    torch.manual_seed(cfg["seed"])
-    if not resume:
-        model, tokenizer = load_model(cfg["init_from"], dev, scratch=cfg)
-        eval_demos = fit_prompts(train_tasks, eval_tasks, model, tokenizer, cfg, log)
-    if ddp.master:  # from here on, this run owns out_dir (a fresh run's inputs are all checked by now)
-        for note in stack.enter_context(checkpoint.take_over(out_dir, resume, cfg["overwrite"])):
-            log.say(note)
-    ddp.barrier()
-    if resume:
-        saved = checkpoint.read_state(ckpt_dir)  # a damaged or foreign state.json is one line, before any change
-        checkpoint.check_same_run(saved, ddp.world, data)
-        state.update({k: v for k, v in saved.items() if k not in ("param_groups", "guard", "world", "data")})
-        guard = metrics.Guard(**saved["guard"])
-        checkpoint.check_resume(saved["config"], cfg, parse_stages(saved["config"]["stages"], saved["config"]["dataset"],
-                                saved["config"]["max_iters"]), stages, state)
-        eval_names = checkpoint.kept_eval_sets(state["accuracy_matrix"], eval_names, log.say)
-        eval_tasks = {n: eval_tasks[n] for n in eval_names}
-        model, tokenizer = load_model(ckpt_dir, dev, scratch=cfg)
-        eval_demos = fit_prompts(train_tasks, eval_tasks, model, tokenizer, cfg, log)
-    if not has_chat_template(tokenizer):
-        log.say(f"note: {cfg['init_from']}'s tokenizer has no chat template: prompts are the messages' text, one per line")
-    disable_dropout(model).train()  # dropout off (the RL references' choice): ρ = 1 before any update
-    if cfg["grad_checkpointing"]:
-        enable_grad_checkpointing(model)
-    # the initial model: KL reference, frozen / trust-region teacher, 'initial' stage reset
-    needs_initial = (cfg["algo"] != "sft" and cfg["kl_coef"] > 0) or (cfg["algo"] == "sdpo" and (
-        cfg["teacher"] in ("frozen", "trust_region") or cfg["teacher_stage_reset"] == "initial"))
-    initial_model = None
-    if needs_initial:
-        initial_model = (load_model(state["base_init"], dev, scratch=cfg)[0].eval().requires_grad_(False) if resume
-                         else frozen_copy(model))  # a fresh load needs no second copy
-    teacher_model = None
-    if cfg["algo"] == "sdpo" and cfg["teacher"] in ("frozen", "ema"):
-        teacher_model = frozen_copy(initial_model if initial_model is not None else model)
-        if cfg["teacher_init"] and not resume:
-            # θ_T ← (1 − a)·θ_T + a·θ_init: the EMA update's formula, applied once
-            ema_update(teacher_model, load_model(cfg["teacher_init"], dev, scratch=cfg, with_tokenizer=False)[0],
-                       cfg["teacher_init_alpha"])
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg["learning_rate"], betas=(cfg["beta1"], cfg["beta2"]),
-                                  weight_decay=cfg["weight_decay"])
-    generator = make_generator(cfg["seed"] + ddp.rank, dev)  # sampling and density masks, per rank
-    data_rng = random.Random(cfg["seed"])  # the global prompt order, the same on every rank
-    if resume:
-        rng = checkpoint.load_trainer(ckpt_dir, saved, model, optimizer, teacher_model)
-        generator.set_state(rng[f"sampling.{ddp.rank}"])
-        data_rng.setstate(tuple(tuple(x) if isinstance(x, list) else x for x in state["data_rng"]))
-        if ddp.master:
-            for name in ("log.jsonl", "samples.jsonl"):  # the iterations after the checkpoint are redone
-                checkpoint.truncate_log(os.path.join(out_dir, name), state["iter"])
-        log.say(f"resumed from {ckpt_dir} at iteration {state['iter']} (stage {state['stage']}, step {state['stage_iter']})")
-    if wandb:
-        log.wandb = wandb.init(project=cfg["wandb_project"], name=cfg["wandb_run_name"], config=cfg)
-    return dict(stages=stages, eval_names=eval_names, train_tasks=train_tasks, eval_tasks=eval_tasks, eval_demos=eval_demos,
-                log=log, ckpt_dir=ckpt_dir, state=state, guard=guard, model=model, tokenizer=tokenizer,
-                initial_model=initial_model, teacher_model=teacher_model, optimizer=optimizer, generator=generator,
-                data_rng=data_rng)
-
-
-def fit_prompts(train_tasks, eval_tasks, model, tokenizer, cfg, log):
-    """The tasks that fit the model's context (models.fit_tasks), the others left out and counted:
-    prompts up to max_prompt_len (default: the context minus max_new_tokens), SFT solutions whole.
-    Returns an SDPO run's eval-time teacher prompts per eval set (each task that has a solution,
-    with it as the demonstration), those that fit as the training teacher's must."""
-    cap, context = prompt_budget(model, cfg["max_new_tokens"], cfg["max_prompt_len"])
-    fit = functools.partial(fit_tasks, tokenizer=tokenizer, enable_thinking=cfg["enable_thinking"], say=log.say)
-    for sets, whole in ((train_tasks, context if cfg["algo"] == "sft" else None), (eval_tasks, None)):
-        for name in sets:
-            sets[name] = fit(sets[name], name, cap=cap, context=whole)
-    demos = {name: [dict(t, messages=teacher_messages(t["messages"], t["solution"], None, cfg)) for t in tasks
-                    if t.get("solution")] for name, tasks in eval_tasks.items()} if cfg["algo"] == "sdpo" else {}
-    limit = min(cfg["max_reprompt_len"], context - cfg["max_new_tokens"])
-    return {name: fit(d, f"{name} (eval teacher prompts)", cap=limit, required=False) for name, d in demos.items() if d}
-
-
-def run_eval(run, cfg, ddp, tag):
-    """Score every eval set (tasks sharded over ranks), log one record with a key per set (eval/<set>/
-    mean@n, so wandb keeps every curve), and return {set: mean@n}, {set: mean response length}. An SDPO
-    run also scores its teacher reading each prompt with the reference solution as the demonstration
-    (eval/<set>/teacher_mean@n): it shows when the teacher stops being better than the student."""
-    state, n = run["state"], cfg["eval_n"]
-    teacher = {"ema": run["teacher_model"], "frozen": run["teacher_model"], "live": run["model"]}.get(cfg["teacher"])
-    generators = [make_generator(cfg["seed"] + k + ddp.rank, ddp.device) for k in (1, 2)]  # the same samples each eval
-    row, lengths, record = {}, {}, {"iter": state["iter"], "eval_tag": tag}
-    for name, tasks in run["eval_tasks"].items():
-        acc, lengths[name] = score_set(run, cfg, ddp, run["model"], tasks, generators[0])
-        row[name] = acc[f"mean@{n}"]
-        record.update({f"eval/{name}/{k}": v for k, v in acc.items()}, **{f"eval/{name}/mean_len": lengths[name]})
-        if cfg["algo"] != "sdpo" or teacher is None:
-            continue
-        demos = run["eval_demos"].get(name)
-        if demos:
-            record[f"eval/{name}/teacher_mean@{n}"] = score_set(run, cfg, ddp, teacher, demos, generators[1])[0][f"mean@{n}"]
-    run["log"].record(record)
-    run["log"].say(f"eval @ iter {state['iter']} ({tag}): " + ", ".join(f"{k} mean@{n} {v:.3f}" for k, v in row.items()))
-    return row, lengths
-
-
-def score_set(run, cfg, ddp, model, tasks, generator):
-    """mean@n / pass@n and the mean response length of `model` on one eval set, over every rank."""
-    n = cfg["eval_n"]
-    with make_autocast(ddp.device, cfg["dtype"])():
-        res = evaluate(model, run["tokenizer"], tasks[ddp.rank::ddp.world], n=n, temperature=cfg["eval_temperature"],
-                       top_p=cfg["eval_top_p"], max_new_tokens=cfg["max_new_tokens"],
-                       batch_prompts=max(1, cfg["batch_prompts"] * cfg["group_size"] // n), generator=generator,
-                       enable_thinking=cfg["enable_thinking"], success_threshold=cfg["success_threshold"],
-                       static=use_static_rollout(cfg["static_rollout"], ddp.device), max_rows=cfg["gen_batch_size"],
-                       progress=ddp.master, math_checker=cfg["math_checker"])
-    per_rank = ddp.gather((res["scores"], res["mean_len"] * n * len(res["scores"])))
-    scores = [row for rank_scores, _ in per_rank for row in rank_scores]
-    return accuracy_summary(scores, threshold=cfg["success_threshold"]), sum(t for _, t in per_rank) / (n * len(scores))
-
-
-def save_checkpoint(run, cfg, ddp, passed=None):
-    """Save model, optimizer, teacher, every rank's sampling RNG, the data order and the guard (rank 0
-    writes); passed: this iteration's eval row when it passed the collapse guard -- ckpt_good/ becomes
-    this checkpoint too."""
-    model, state, guard = run["model"], run["state"], run["guard"]
-    # ranks must hold identical weights (same init, same all-reduced steps): check cheaply
-    if ddp.world > 1:
-        sums = ddp.gather(sum(p.detach().sum(dtype=torch.float64).item() for p in model.parameters()))
-        run["log"].record({"iter": state["iter"], "rank_param_sums": sums})
-        if len(set(sums)) > 1:
-            raise UserError(f"ranks diverged: parameter sums {sums}")
-    rng_states = ddp.gather(run["generator"].get_state())
-    if passed is not None:
-        guard.good = {"iter": state["iter"], "acc": passed}
-    if ddp.master:
-        state["data_rng"] = run["data_rng"].getstate()
-        checkpoint.save(run["ckpt_dir"], model=model, tokenizer=run["tokenizer"], optimizer=run["optimizer"],
-                        teacher_model=run["teacher_model"], save_dtype=cfg["save_dtype"],
-                        state={**state, "guard": asdict(guard), "config": cfg},
-                        rng_tensors={f"sampling.{r}": g for r, g in enumerate(rng_states)})
-        if passed is not None:
-            checkpoint.keep_as_good(run["ckpt_dir"], run["ckpt_dir"] + "_good")
-    ddp.barrier()
-
-
-def start_stage(run, cfg):
-    """A stage boundary: optionally a fresh optimizer, and the teacher per teacher_stage_reset."""
-    if cfg["reset_optimizer"]:
-        run["optimizer"].state.clear()
-    if run["teacher_model"] is not None and cfg["teacher_stage_reset"] != "keep":
-        source = run["model"] if cfg["teacher_stage_reset"] == "student" else run["initial_model"]
-        run["teacher_model"].load_state_dict(source.state_dict())
-
-
-def trained_sets(run, stage_name):
-    """The eval sets the collapse guard judges against half their best: all in a one-stage run; in
-    a continual run the current stage's own (an earlier domain may be forgotten, down to zero)."""
-    return set(stage_name.split("+")) if len(run["stages"]) > 1 else None
-
-
-def end_stage(run, cfg, ddp, stage, name):
-    """A row of the accuracy matrix (every eval set), a model snapshot, a checkpoint."""
-    state = run["state"]
-    row, lengths = run_eval(run, cfg, ddp, f"end of stage {stage + 1}")
-    passed = row if metrics.check_eval(run["guard"], row, lengths, cfg, trained_sets(run, name)) else None  # may stop
-    state["accuracy_matrix"]["stages"].append(name)
-    state["accuracy_matrix"]["rows"].append([row[s] for s in run["eval_names"]])
-    if ddp.master:
-        checkpoint.write_json(os.path.join(cfg["out_dir"], "accuracy_matrix.json"), state["accuracy_matrix"])
-        if len(run["stages"]) > 1:
-            snap = os.path.join(cfg["out_dir"], f"stage{stage + 1}_{name.replace('/', '_').replace('+', '_')}")
-            checkpoint.save_snapshot(snap, run["ckpt_dir"], run["model"], run["tokenizer"])
-    state["stage"], state["stage_iter"] = stage + 1, 0
-    save_checkpoint(run, cfg, ddp, passed=passed)
-
-
-def main(cfg):
-    check_config(cfg)
-    ddp = Dist(cfg["device"])
-    if cfg["batch_prompts"] % ddp.world:
-        raise UserError(f"batch_prompts={cfg['batch_prompts']} must be divisible by the {ddp.world} ranks")
-    with contextlib.ExitStack() as stack:  # holds out_dir's lock until the run ends, however it ends
-        run = setup(cfg, ddp, stack)
-        try:
-            train_loop(run, cfg, ddp)
-        except Collapse as e:
-            raise UserError(metrics.collapse_message(run["ckpt_dir"], run["state"]["iter"], run["guard"].good, e)) from None
-    run["log"].say(f"done: {run['state']['iter']} iterations; model in {run['ckpt_dir']}")
-    if ddp.world > 1:
-        dist.destroy_process_group()
-
-
-def train_loop(run, cfg, ddp):
-    """The stages, each a loop of iterations: rollout -> loss -> step -> log -> eval / checkpoint."""
-    model, optimizer, state, dev = run["model"], run["optimizer"], run["state"], ddp.device
-    decode = functools.partial(run["tokenizer"].decode, skip_special_tokens=False)
-    total_iters = sum(iters for _, iters in run["stages"])
-    share = cfg["batch_prompts"] // ddp.world
-    autocast = make_autocast(dev, cfg["dtype"])
-    # stuck: consecutive iterations per warning (metrics.stuck_warnings); step_memory: the train step's peak (CUDA)
-    step_memory, batch, my_tasks, stuck = StepMemory(), None, None, {}
-    log_vocab = math.log(model.get_output_embeddings().weight.shape[0])  # the runaway-loss guard's scale
-    if state["iter"] == 0:  # the initial model: the guard's first bests, and ckpt_good until an eval passes
-        base = run_eval(run, cfg, ddp, "start")[0]
-        state["accuracy_matrix"] = {"eval_sets": run["eval_names"], "stages": [], "rows": [], "base": base}
-        run["guard"] = metrics.Guard(best=dict(base))
-        save_checkpoint(run, cfg, ddp, passed=base)
-    for stage in range(state["stage"], len(run["stages"])):
-        name, iters = run["stages"][stage]
-        tasks = run["train_tasks"][name]
-        if stage > 0 and state["stage_iter"] == 0:
-            start_stage(run, cfg)
-        stage_desc = f"stage {stage + 1}/{len(run['stages'])} {name}" if len(run["stages"]) > 1 else name
-        while state["stage_iter"] < iters:
-            t0 = time.time()
-            lr = set_lr(optimizer, state["iter"], learning_rate=cfg["learning_rate"], warmup_iters=cfg["warmup_iters"],
-                        total_iters=total_iters, decay_lr=cfg["decay_lr"], min_lr=cfg["min_lr"])
-            # this step's prompts: the same global batch on every rank, whole groups per rank
-            step_tasks = [run["data_rng"].choice(tasks) for _ in range(cfg["batch_prompts"])]
-            my_tasks = step_tasks[ddp.rank * share:(ddp.rank + 1) * share]
-            # rollout, reward, advantages, teacher context, loss weights
-            batch, rollout_metrics = build_batch(my_tasks, model, run["tokenizer"], cfg, run["generator"], dev,
-                                                 autocast=autocast, global_sum=ddp.global_sum, progress=ddp.master)
-            t1 = time.time()
-            step_memory.before_step(dev)  # CUDA: the static cache goes unless it fits beside the step
-            # student (and teacher) forward and backward, in micro-batches; a diverging loss stops the run
-            loss_metrics = loss_backward(model, batch, cfg, dev, teacher_model=run["teacher_model"],
-                                         initial_model=run["initial_model"])
-            metrics.check_loss(run["guard"], loss_metrics["loss"], log_vocab=log_vocab, stop=cfg["stop_on_collapse"])
-            ddp.all_reduce_grads(model)
-            t2 = time.time()
-            # optimizer step, then the EMA teacher follows the student
-            grad_norm = optimizer_step(model, optimizer, cfg["grad_clip"])
-            if run["teacher_model"] is not None and cfg["teacher"] == "ema":
-                ema_update(run["teacher_model"], model, cfg["teacher_rate"])  # identical on every rank
-            step_memory.after_step(dev)
-            t3 = time.time()
-            state["iter"] += 1
-            state["stage_iter"] += 1
-            # log
-            record = {"iter": state["iter"], "stage": name, "lr": lr, "grad_norm": grad_norm,
-                      "optimizer_s": t3 - t2, "train_s": t3 - t1, "iter_s": t3 - t0}
-            metrics.iteration_record(record, rollout_metrics, loss_metrics, algo=cfg["algo"], distill=cfg["distill"],
-                                     world=ddp.world, global_sum=ddp.global_sum,
-                                     ratio_max=max(ddp.gather(loss_metrics["ratio_max"])))
-            run["log"].record(record)
-            run["log"].say(metrics.console_line(stage_desc, record))
-            for warning in metrics.stuck_warnings(record, stuck, cfg["algo"]):
-                run["log"].say(warning)
-            # periodic eval (the collapse guard) and checkpoint; the end of a stage has its own
-            last, passed = state["stage_iter"] == iters, None
-            eval_due = not last and cfg["eval_interval"] and state["stage_iter"] % cfg["eval_interval"] == 0
-            if eval_due:
-                run["log"].samples(metrics.sample_rows(batch, my_tasks, cfg["group_size"], decode, state["iter"]))
-                row, lengths = run_eval(run, cfg, ddp, "periodic")
-                passed = row if metrics.check_eval(run["guard"], row, lengths, cfg, trained_sets(run, name)) else None
-            if (eval_due and not cfg["save_interval"]) or (
-                    cfg["save_interval"] and state["iter"] % cfg["save_interval"] == 0 and not last):
-                save_checkpoint(run, cfg, ddp, passed=passed)
-        # end of stage: a few rollouts, a row of the accuracy matrix, a snapshot, a checkpoint
-        if batch is not None:
-            run["log"].samples(metrics.sample_rows(batch, my_tasks, cfg["group_size"], decode, state["iter"]))
-        end_stage(run, cfg, ddp, stage, name)
 
 
 if __name__ == "__main__":

@@ -338,9 +338,9 @@ def test_pass_at_k_sanity():
     assert "pass@8" not in s  # k > n is dropped
     for n in range(1, 9):
         for c in range(n + 1):
-            assert train.pass_at_k(n, c, 1) == pytest.approx(c / n)
-            assert train.pass_at_k(n, c, n) == (1.0 if c else 0.0)
-            assert all(train.pass_at_k(n, c, k) <= train.pass_at_k(n, c, k + 1) + 1e-12 for k in range(1, n))
+            assert train.metrics.pass_at_k(n, c, 1) == pytest.approx(c / n)
+            assert train.metrics.pass_at_k(n, c, n) == (1.0 if c else 0.0)
+            assert all(train.metrics.pass_at_k(n, c, k) <= train.metrics.pass_at_k(n, c, k + 1) + 1e-12 for k in range(1, n))
     assert ev.parse_ks("16,1,4", 4) == [1, 4] and ev.parse_ks("16", 2) == [2]
     with pytest.raises(train.UserError):
         ev.parse_ks("1,x", 4)

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from teacher import TeacherLogits  # noqa: E402
 from train import distill_divergence, fused_token_loss, naive_token_loss, sampled_logprobs  # noqa: E402
 
 f64 = torch.float64
@@ -159,7 +160,7 @@ def make_case(N=37, H=16, V=50, dtype=f64, seed=0, temperature=0.7):
     cur = sampled_logprobs(C["h"], C["W"], C["tokens"], temperature).to(dtype)
     C["old"] = cur + 0.3 * torch.randn(N, generator=g, dtype=f64).to(dtype)
     # a two-part "trust region" teacher: 0.75 * current + 0.25 * initial logits
-    C["teacher"] = [(C["h_t"], C["W_t"], 0.75), (C["h_t0"], C["W_t0"], 0.25)]
+    C["teacher"] = [TeacherLogits(C["h_t"], C["W_t"], 0.75), TeacherLogits(C["h_t0"], C["W_t0"], 0.25)]
     return C
 
 
@@ -266,7 +267,7 @@ def test_fused_bf16(distill):
     reference on the same (bf16-representable) numbers, within bf16's precision; and the products
     really are bf16 (fp32 products would match the reference to ~1e-6)."""
     C = make_case(V=300, dtype=torch.bfloat16)
-    C32 = {k: [(a.float(), b.float(), c) for a, b, c in v] if k == "teacher" else
+    C32 = {k: [TeacherLogits(a.float(), b.float(), c) for a, b, c in v] if k == "teacher" else
            v.float() if torch.is_tensor(v) and v.is_floating_point() else v for k, v in C.items()}
     kw = dict(alpha=0.5, distill=distill, topk=7, tail=True, temperature=0.7)
     ln, ghn, gwn, _ = run(naive_token_loss, C32, grpo_distill_loss_fn(C32, distill), **kw)
@@ -300,10 +301,10 @@ def test_token_estimator_sign(fn):
 
     kw = dict(alpha=0.5, distill="token", topk=5, tail=True)
     hidden = h.clone().requires_grad_()  # the rows are independent when only h moves
-    loss, stats = fn(hidden, W, tokens, loss_fn, [(h_t, W, 1.0)], **kw)
+    loss, stats = fn(hidden, W, tokens, loss_fn, [TeacherLogits(h_t, W, 1.0)], **kw)
     loss.backward()
     before = stats["logp"].double()
-    after = fn(hidden.detach() - 0.05 * hidden.grad, W, tokens, loss_fn, [(h_t, W, 1.0)], **kw)[1]["logp"]
+    after = fn(hidden.detach() - 0.05 * hidden.grad, W, tokens, loss_fn, [TeacherLogits(h_t, W, 1.0)], **kw)[1]["logp"]
     assert after[0] > before[0] and after[1] < before[1]
 
 

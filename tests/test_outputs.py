@@ -44,14 +44,14 @@ def test_ckpt_is_a_clean_hf_folder_in_save_dtype_and_resumes_exactly(toy_data, t
     with contextlib.ExitStack() as stack:
         run = train.setup(dict(cfg, init_from="resume", max_iters=3), models.Dist("cpu"), stack)
         with open(ckpt / "trainer" / "state.json") as f:
-            assert json.load(f)["iter"] == run["state"]["iter"] == 2
+            assert json.load(f)["iter"] == run.state.iter == 2
         exported = dict(loaded.named_parameters())
-        for name, p in run["model"].named_parameters():
+        for name, p in run.model.named_parameters():
             assert p.dtype == torch.float32
             if save_dtype == "bfloat16":
                 torch.testing.assert_close(p.bfloat16(), exported[name].detach())
         if save_dtype == "bfloat16":
-            assert any(not torch.equal(p, exported[n].float()) for n, p in run["model"].named_parameters())
+            assert any(not torch.equal(p, exported[n].float()) for n, p in run.model.named_parameters())
 
 
 def test_nothing_is_learning_is_said_once_per_episode():

@@ -211,8 +211,8 @@ def test_in_a_continual_run_an_earlier_domain_may_be_forgotten_but_not_zeroed():
     with pytest.raises(metrics.Collapse, match="add fell to 0.000"):  # an earlier domain wiped out
         metrics.check_eval(metrics.Guard(best={"add": 0.6, "mul": 0.4}), {"add": 0.0, "mul": 0.4}, long, patience1,
                            trained={"mul"})
-    assert train.trained_sets({"stages": [("add", 3), ("mul+sub", 3)]}, "mul+sub") == {"mul", "sub"}
-    assert train.trained_sets({"stages": [("add", 3)]}, "add") is None  # one stage: every set held to half its best
+    assert train.metrics.trained_sets([("add", 3), ("mul+sub", 3)], "mul+sub") == {"mul", "sub"}
+    assert train.metrics.trained_sets([("add", 3)], "add") is None  # one stage: every set held to half its best
 
 
 def test_a_loss_that_runs_away_at_the_first_steps_stops_the_run_keeping_the_initial_model(toy_data, tmp_path):

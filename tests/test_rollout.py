@@ -5,6 +5,7 @@ import torch
 from conftest import defaults
 
 import models
+import teacher
 import train
 
 
@@ -283,7 +284,7 @@ def test_teacher_context_text_for_a_hand_made_group():
 def test_ema_update_math():
     a, b = tiny_model(seed=0), tiny_model(seed=1)
     before = [p.clone() for p in a.parameters()]
-    train.ema_update(a, b, 0.25)
+    teacher.ema_update(a, b, 0.25)
     for p0, p, q in zip(before, a.parameters(), b.parameters()):
         torch.testing.assert_close(p, 0.75 * p0 + 0.25 * q)
 

@@ -4,6 +4,7 @@ tokens it teaches (density and density_select), and what an SDPO run logs about 
 import contextlib
 import os
 
+import pytest
 import torch
 
 from conftest import TINY, defaults, read_log, run_train
@@ -29,9 +30,9 @@ def test_teacher_init_is_the_teacher(toy_data, tmp_path):
                data_dir=toy_data, tokenizer_path=os.path.join(toy_data, "toy", "tokenizer"))
     with contextlib.ExitStack() as stack:
         run = train.setup(cfg, models.Dist("cpu"), stack)
-        for a, b in zip(run["teacher_model"].parameters(), other.parameters()):
+        for a, b in zip(run.teacher.own.parameters(), other.parameters()):
             torch.testing.assert_close(a, b)
-        assert not torch.equal(next(run["model"].parameters()), next(other.parameters()))
+        assert not torch.equal(next(run.model.parameters()), next(other.parameters()))
 
 
 def test_shared_prompt_hidden_equals_one_forward_per_sequence(toy_data):
@@ -78,9 +79,8 @@ def test_density_selection_keeps_the_fraction_and_picks_its_tokens(toy_data):
     tokens = torch.tensor([t for r in batch.response_ids for t in r])
     with torch.no_grad():
         h = models.response_hidden(model, batch.prompt_ids, batch.response_ids, torch.device("cpu"))
-        teacher = train.teacher_parts(mode="live", rate=0.0, model=model, teacher_model=None, initial_model=None,
-                                      teacher_prompts=batch.teacher_prompt_ids, responses=batch.response_ids,
-                                      dev=torch.device("cpu"))
+        teacher = train.Teacher("live", 0.0).logits(model, batch.teacher_prompt_ids, batch.response_ids,
+                                                    torch.device("cpu"))
         _, stats = train.naive_token_loss(h, model.get_output_embeddings().weight, tokens, lambda *a: a[0].sum(),
                                           teacher=teacher, alpha=0.5, distill="topk", topk=10, tail=True)
     picked = train.select_by_divergence(h, model.get_output_embeddings().weight, tokens, teacher, weights, lengths=lengths,
@@ -106,3 +106,57 @@ def test_an_sdpo_run_logs_its_teachers_accuracy_and_the_diagnostics(toy_data, tm
         assert all(key in r for r in steps), key
     assert all(0 < r["topk_mass"] <= 1 and r["entropy"] > 0 and r["ratio_max"] >= r["ratio_mean"] > 0 for r in steps)
     assert (out / "samples.jsonl").exists()
+
+
+def test_every_teacher_kind_has_a_row_in_the_teachers_table_and_a_model_scored_at_eval():
+    """Adding a kind is one place: Teacher's docstring table and methods (and CHOICES). At eval the
+    frozen / EMA teacher scores its own copy, live the student; trust_region is not scored."""
+    own, student = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+    rows = [line.split()[0] for line in train.Teacher.__doc__.splitlines() if line.startswith("        ")]
+    assert rows[1:] == list(train.CHOICES["teacher"])  # the header row, then one row per kind
+    scored = {kind: train.Teacher(kind, 0.1, own=own if kind in ("frozen", "ema") else None).eval_model(student)
+              for kind in train.CHOICES["teacher"]}
+    assert scored == {"frozen": own, "ema": own, "trust_region": None, "live": student}
+
+
+def test_the_teacher_follows_the_student_by_its_kind_and_resets_at_a_stage_boundary(toy_data):
+    """after_step moves only an EMA teacher (θ_T ← (1−τ)θ_T + τθ); start_stage reloads the own copy
+    from the student or the initial model, and 'keep' leaves it."""
+    cfg, student, _ = tiny_setup(toy_data, "sdpo")
+    initial = models.frozen_copy(student)
+    with torch.no_grad():
+        for p in student.parameters():
+            p.add_(0.1)
+    for kind, moves in (("ema", True), ("frozen", False)):
+        t = train.Teacher(kind, 0.25, own=models.frozen_copy(initial))
+        t.after_step(student)
+        p_t, p0, p = (next(m.parameters()) for m in (t.own, initial, student))
+        torch.testing.assert_close(p_t, 0.75 * p0 + 0.25 * p if moves else p0)
+        t.start_stage("keep", student, initial)
+        torch.testing.assert_close(next(t.own.parameters()), 0.75 * p0 + 0.25 * p if moves else p0)
+        t.start_stage("student", student, initial)
+        torch.testing.assert_close(next(t.own.parameters()), p)
+        t.start_stage("initial", student, initial)
+        torch.testing.assert_close(next(t.own.parameters()), p0)
+
+
+def test_the_trust_region_teachers_logits_are_the_initial_and_current_models_mixed_by_mu(toy_data):
+    """Two shares: (1 − μ) of the initial model's logits and μ of the student's, each at the
+    responses' tokens read after the teacher prompt; rows without a teacher prompt stay zero."""
+    cfg, student, tokenizer = tiny_setup(toy_data, "sdpo")
+    initial = models.frozen_copy(student)
+    with torch.no_grad():
+        for p in student.parameters():
+            p.add_(0.1)
+    batch = hand_made_batch(tokenizer, with_teacher=True)
+    prompts = [None] + batch.teacher_prompt_ids[1:]
+    dev = torch.device("cpu")
+    shares = train.Teacher("trust_region", 0.3, initial=initial).logits(student, prompts, batch.response_ids, dev)
+    assert [s.coef for s in shares] == pytest.approx([0.7, 0.3])
+    for share, m in zip(shares, (initial, student)):
+        n0 = len(batch.response_ids[0])
+        with torch.no_grad():
+            want = models.response_hidden(m.eval(), prompts[1:], batch.response_ids[1:], dev)
+        assert share.hidden[:n0].abs().max() == 0
+        torch.testing.assert_close(share.hidden[n0:], want, atol=1e-5, rtol=1e-5)
+        assert share.weight is m.get_output_embeddings().weight or torch.equal(share.weight, m.get_output_embeddings().weight)

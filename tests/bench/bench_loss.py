@@ -40,6 +40,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)  # as a script: the repo root on sys.path, for train.py and tests.*
 import train  # noqa: E402
+from teacher import TeacherLogits  # noqa: E402
 from train import distill_divergence, fused_token_loss, naive_token_loss, sampled_logprobs  # noqa: E402
 
 CPU_SIZES = [  # (N, H, V); the first is the main size
@@ -147,7 +148,7 @@ def make_problem(N, H, V, dtype, device, seed=0):
         return div.sum() / n_div
 
     return dict(h_leaf=h_leaf, weight=weight, tokens=tokens, loss_fn=loss_fn, jsd_loss_fn=jsd_loss_fn,
-                teacher=[(h_t, w_t, 1.0)], div_rows=div_rows)
+                teacher=[TeacherLogits(h_t, w_t, 1.0)], div_rows=div_rows)
 
 
 def naive_bf16_token_loss(hidden, weight, tokens, loss_fn, teacher=None, div_rows=None, *,

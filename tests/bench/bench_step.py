@@ -75,13 +75,10 @@ class Runner:
         self.model = copy.deepcopy(base).train()
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg["learning_rate"],
                                            betas=(cfg["beta1"], cfg["beta2"]), weight_decay=cfg["weight_decay"])
-        self.teacher = self.initial = None
-        if algo == "sdpo" and cfg["teacher"] in ("frozen", "trust_region"):
+        self.initial = None
+        if (algo == "sdpo" and train.Teacher.needs_initial(cfg["teacher"])) or cfg["kl_coef"] > 0:
             self.initial = models.frozen_copy(self.model)
-        if algo == "sdpo" and cfg["teacher"] in ("frozen", "ema"):
-            self.teacher = models.frozen_copy(self.model)
-        if cfg["kl_coef"] > 0:
-            self.initial = self.initial or models.frozen_copy(self.model)
+        self.teacher = train.Teacher.create(self.cfg, self.model, self.initial, dev, resume=False)
         self.it = 0
         self.records = []
 
@@ -94,12 +91,12 @@ class Runner:
                      total_iters=cfg["max_iters"], decay_lr=cfg["decay_lr"], min_lr=cfg["min_lr"])
         batch, metrics = train.build_batch(tasks, model, self.tokenizer, cfg, generator, self.dev, autocast=self.autocast)
         t1 = clock(self.dev)
-        m = train.loss_backward(model, batch, cfg, self.dev, teacher_model=self.teacher, initial_model=self.initial)
+        m = train.loss_backward(model, batch, cfg, self.dev, teacher=self.teacher, initial_model=self.initial)
         t2 = clock(self.dev)
         train.optimizer_step(model, self.optimizer, cfg["grad_clip"])
         t3 = clock(self.dev)
-        if self.teacher is not None and cfg["teacher"] == "ema":
-            train.ema_update(self.teacher, model, cfg["teacher_rate"])
+        if self.teacher is not None:
+            self.teacher.after_step(model)
         t4 = clock(self.dev)
         self.it += 1
         n_seq = len(batch.response_ids)

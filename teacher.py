@@ -1,0 +1,103 @@
+"""
+The SDPO teacher: whose weights read the teacher prompt (train.py step 4), what logits it gives the
+token loss, how it follows the student, and what eval scores as it. train.py builds the teacher's
+prompt (teacher context); this module owns its weights. Adding a kind: the Teacher below and
+CHOICES["teacher"] in train.py.
+"""
+import itertools
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+from models import frozen_copy, lm_head, load_model, shared_prompt_hidden
+
+
+class TeacherLogits(NamedTuple):
+    """One model's share of the teacher's logits at a micro-batch's response tokens (no grad): the
+    token loss takes the teacher's logits as sum(coef · hidden @ weight.T) over the shares, / T."""
+    hidden: torch.Tensor  # [N, H] final hidden states; zero rows for responses without a teacher prompt
+    weight: torch.Tensor  # [V, H] that model's LM head (detached)
+    coef: float  # the share's weight in the mixture × the model's logit scale
+
+
+@dataclass
+class Teacher:
+    """The SDPO teacher: which weights read the teacher prompt, kept apart from the student.
+
+        kind          teacher weights                  after each step              at eval
+        frozen        the initial model (teacher_init)  nothing                      its own copy
+        ema           its own copy                      θ_T ← (1−τ)θ_T + τθ          its own copy
+        trust_region  logits (1−μ)·initial + μ·student  nothing (the student moves)  not scored (below)
+        live          the student itself                nothing                      the student
+
+    τ = μ = teacher_rate. teacher_stage_reset ('student' / 'initial') reloads the own copy at a stage
+    boundary; live and trust_region have none to reload. trust_region is not scored at eval: sampling
+    from a logit mixture needs two KV caches in one decode loop, which generate() does not have.
+    Adding a kind: a row here, its lines in the methods below, and its name in CHOICES["teacher"]."""
+    kind: str
+    rate: float
+    own: torch.nn.Module = None  # frozen / ema: the teacher's own weights (saved in checkpoints)
+    initial: torch.nn.Module = None  # trust_region: the initial model, the mixture's (1 − μ) share
+
+    @staticmethod
+    def needs_initial(kind):
+        """Whether the kind reads the initial model (setup keeps a frozen copy of it)."""
+        return kind in ("frozen", "trust_region")
+
+    @classmethod
+    def create(cls, cfg, model, initial_model, dev, resume):
+        """The run's teacher (None unless algo='sdpo'); a resumed run loads its own copy afterwards."""
+        if cfg["algo"] != "sdpo":
+            return None
+        own = None
+        if cfg["teacher"] in ("frozen", "ema"):
+            own = frozen_copy(initial_model if initial_model is not None else model)
+            if cfg["teacher_init"] and not resume:
+                # θ_T ← (1 − a)·θ_T + a·θ_init: the EMA update's formula, applied once
+                ema_update(own, load_model(cfg["teacher_init"], dev, scratch=cfg, with_tokenizer=False)[0],
+                           cfg["teacher_init_alpha"])
+        return cls(cfg["teacher"], cfg["teacher_rate"], own=own,
+                   initial=initial_model if cfg["teacher"] == "trust_region" else None)
+
+    def logits(self, student, teacher_prompts, responses, dev):
+        """The teacher's logits at every response token as [TeacherLogits] (the model's logit scale
+        folded into coef); rows of responses without a teacher prompt stay zero (they are outside
+        div_rows). No grad."""
+        has = [i for i, t in enumerate(teacher_prompts) if t is not None]
+        lengths = [len(r) for r in responses]
+        starts = [0, *itertools.accumulate(lengths)]
+        index = torch.tensor([starts[i] + t for i in has for t in range(lengths[i])], device=dev)
+
+        def share(m, coef):
+            h = shared_prompt_hidden(m, [teacher_prompts[i] for i in has], [responses[i] for i in has], dev)
+            weight, scale = lm_head(m)
+            return TeacherLogits(h.new_zeros(sum(lengths), h.shape[-1]).index_copy_(0, index, h), weight.detach(),
+                                 coef * scale)
+
+        with torch.no_grad():
+            if self.kind in ("frozen", "ema"):
+                return [share(self.own, 1.0)]
+            if self.kind == "live":
+                return [share(student, 1.0)]
+            return [share(self.initial, 1.0 - self.rate), share(student, self.rate)]  # trust_region
+
+    def after_step(self, student):
+        """The per-step update, after each optimizer step (identical on every rank)."""
+        if self.kind == "ema":
+            ema_update(self.own, student, self.rate)
+
+    def start_stage(self, reset, student, initial_model):
+        """A stage boundary: teacher_stage_reset 'student' or 'initial' reloads the own copy."""
+        if self.own is not None and reset != "keep":
+            self.own.load_state_dict((student if reset == "student" else initial_model).state_dict())
+
+    def eval_model(self, student):
+        """The model scored at eval reading the reference solution (None: this kind is not scored)."""
+        return {"frozen": self.own, "ema": self.own, "live": student}.get(self.kind)
+
+
+@torch.no_grad()
+def ema_update(teacher_model, student_model, rate):
+    """θ_T ← (1 − rate)·θ_T + rate·θ, once per optimizer step."""
+    torch._foreach_lerp_(list(teacher_model.parameters()), [p.detach() for p in student_model.parameters()], rate)
