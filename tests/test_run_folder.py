@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from conftest import ROOT, read_log
-from test_reliability import cli_cfg, listing, one_line_error, tiny_cfg
+from test_reliability import cli_cfg, copy_of, finished_run, listing, one_line_error, tiny_cfg  # noqa: F401 (a fixture)
 
 import checkpoint
 import eval as ev
@@ -100,19 +100,6 @@ def test_an_odd_lock_path_is_one_line(tmp_path, odd):
 
 
 # ----------------------------------------------------------------------------- eval.py on a run folder
-@pytest.fixture(scope="module")
-def finished_run(tmp_path_factory, toy_data):
-    """A finished 2-iteration SFT run (copied by the tests that change it)."""
-    out = tmp_path_factory.mktemp("finished") / "run"
-    train.main(tiny_cfg(toy_data, out))
-    return out
-
-
-def copy_of(run, tmp_path):
-    shutil.copytree(run, tmp_path / "run")
-    return tmp_path / "run"
-
-
 def eval_cfg(**overrides):
     """eval.py's defaults, at the smallest settings."""
     from configurator import configure
