@@ -527,7 +527,7 @@ def test_the_feedback_arm_shows_the_sandboxs_feedback_to_a_teacher_without_a_suc
     prompts = toy_func["test"][:3]
     for name in ("sdpo_func_feedback", "sdpo_func"):
         cfg = miniature_arm_config(name, **tiny)
-        assert cfg["algo"] == "sdpo" and cfg["stages"] == "toy/func:30" and cfg["use_feedback"] == (name != "sdpo_func")
+        assert cfg["algo"] == "sdpo" and cfg["stages"] == "toy/func:10" and cfg["use_feedback"] == (name != "sdpo_func")
         model, tok = models.load_model("scratch", torch.device("cpu"), scratch=cfg)
         batch, metrics = train.build_batch(prompts, model, tok, cfg, train.make_generator(0, torch.device("cpu")),
                                            torch.device("cpu"))
