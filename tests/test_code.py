@@ -506,6 +506,60 @@ def test_toy_func_feedback_names_the_first_wrong_point_as_the_teacher_copies_do(
     assert train.reward("code", f"<answer>{lookup}</answer>", t["answer"])[0] == 0.0
 
 
+def miniature_arm_config(name, **tiny):
+    """train.py's settings for the miniature's arm `name` (its config file and overrides), then `tiny`."""
+    from configurator import configure
+    from tests.experiments import miniature
+    a = miniature.ARMS[name]
+    cfg = configure(dict(vars(train)), [os.path.join(REPO, a["config"]), *a["overrides"]], train.__file__)
+    return dict(cfg, **tiny)
+
+
+def test_the_feedback_arm_shows_the_sandboxs_feedback_to_a_teacher_without_a_successful_peer(toy_func, toy_data):
+    """The miniature's feedback experiment (sdpo_func_feedback vs sdpo_func): one rollout of a tiny
+    untrained model (no response succeeds) on toy/func with each arm's settings. With feedback, every
+    row's teacher prompt is its question + the code reward's feedback on that row's own attempt; without,
+    no row has a teacher. Then a group with one success: the failed rows get the demonstration only."""
+    import torch
+    import models
+    tiny = dict(init_from="scratch", n_layer=1, n_head=2, n_embd=32, tokenizer_path=os.path.join(toy_data, "toy", "tokenizer"),
+                data_dir=toy_data, group_size=4, max_new_tokens=16, seed=0)
+    prompts = toy_func["test"][:3]
+    for name in ("sdpo_func_feedback", "sdpo_func"):
+        cfg = miniature_arm_config(name, **tiny)
+        assert cfg["algo"] == "sdpo" and cfg["stages"] == "toy/func:10" and cfg["use_feedback"] == (name != "sdpo_func")
+        model, tok = models.load_model("scratch", torch.device("cpu"), scratch=cfg)
+        batch, metrics = train.build_batch(prompts, model, tok, cfg, train.make_generator(0, torch.device("cpu")),
+                                           torch.device("cpu"))
+        assert batch.rewards == [0.0] * 12  # an untrained model: no peer to demonstrate
+        if name == "sdpo_func":
+            assert batch.teacher_prompt_ids == [None] * 12 and metrics["peer_frac"] == 0.0
+            continue
+        for i, text in enumerate(batch.texts):
+            task = prompts[i // 4]
+            feedback = train.reward("code", text, task["answer"])[1]
+            assert feedback  # the sandbox's own words on this attempt
+            want = train.teacher_messages(task["messages"], None, feedback, cfg)
+            assert "The following is feedback" in want[-1]["content"] and feedback in want[-1]["content"]
+            assert batch.teacher_prompt_ids[i] == models.prompt_ids(tok, want)
+        assert metrics["peer_frac"] == 1.0 and metrics["distill_frac"] > 0
+    # wrong expressions (the base's typical miss): the feedback names the first wrong hidden point
+    cfg = miniature_arm_config("sdpo_func_feedback", **tiny)
+    task = prompts[0]
+    expr = task["solution"][len("<answer>"):-len("</answer>")]
+    wrong = [f"<answer>{expr}+1</answer>", f"<answer>{expr}+2</answer>", "<answer>x</answer>"]
+    for texts in (wrong + ["<answer>0</answer>"], wrong + [task["solution"]]):
+        scored = train.rewards_of([task] * 4, texts)
+        ctx = train.teacher_contexts([task], texts, [s for s, _ in scored], [f for _, f in scored], 4, cfg)
+        if texts[-1] == task["solution"]:  # a success in the group: the demonstration, no feedback
+            assert all("Correct solution:" in c[-1]["content"] and "feedback" not in c[-1]["content"] for c in ctx[:3])
+            assert ctx[3] is None  # the only success: never its own demonstration
+        else:
+            got = json.loads(task["answer"])["tests"][0]
+            assert ctx[0][-1]["content"].count(f"f({got['input']}) gave {int(got['output']) + 1}, expected {got['output']}.") == 1
+            assert all("Correct solution:" not in c[-1]["content"] and " gave " in c[-1]["content"] for c in ctx)
+
+
 def test_check_batch_scores_a_mixed_batch_like_one_reward_call_each():
     kinds = ["code", "math", "code", "exact", "code"]
     responses = [py("a, b = map(int, input().split())\nprint(a + b)"), "\\boxed{4}", py("print(0)"),

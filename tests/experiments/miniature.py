@@ -6,6 +6,7 @@ a paired difference is larger than its spread.
     python tests/experiments/miniature.py --experiment=main --seeds=1-8 --jobs=2          # GRPO vs SDPO d=1/0.5/0.25
     python tests/experiments/miniature.py --experiment=distance --seeds=1-8 --jobs=2      # add, then a near/mid/far domain
     python tests/experiments/miniature.py --experiment=teacher --seeds=1-8 --jobs=2       # frozen / EMA / trust-region teacher
+    python tests/experiments/miniature.py --experiment=feedback --seeds=1-8 --jobs=2      # toy/func: SDPO with / without feedback, GRPO
     python tests/experiments/miniature.py --arms=grpo --seeds=1-8 --ref=none              # any arms, no comparison
 
 Each (arm, seed) is one `train.py` run and one `eval.py` run into out_root/<arm>_s<seed>/, at one
@@ -28,6 +29,7 @@ Statistics (pure functions below, tested in tests/test_miniature_stats.py):
                       needs McNemar's exact p < 0.05 (with 8 seeds: at least 6 discordant pairs, all
                       one way)
 Needs the toy base: python data/toy/prepare.py && python train.py config/toy_base.py
+(the feedback experiment: the code toy base, python train.py config/toy_base_code.py)
 """
 import argparse
 import json
@@ -56,6 +58,12 @@ def arm(config, *overrides, ref=None, evaluate=True, view=None):
 
 
 DIST = "--stages=toy/add:30,toy/{}:30"  # the distance experiment: add, then one more domain
+# the feedback experiment: one stage on the toy code domain func from the base that learned it
+# (config/toy_base_code.py), scored on func alone; the sandbox's feedback ("f(4) gave 8, expected 9")
+# reaches the teacher only with --use_feedback=True, and then only for rows without a successful peer.
+# 10 iterations, not the other experiments' 30: on the shared 2-core machine an SDPO run on func took
+# ~8 min at 30 (other jobs running), too long for 24 runs in the time there was
+FUNC = ("--init_from=out/toy_base_code/ckpt", "--stages=toy/func:10", "--eval_sets=toy/func")
 ARMS = {
     # main: GRPO vs SDPO at three supervision densities (EMA teacher, tau 0.05)
     "grpo": arm(G),
@@ -81,6 +89,12 @@ ARMS = {
     "sdpo_d0.5_last": arm(S, "--density=0.5", "--density_select=last", ref="sdpo_d0.5"),
     # normalisation: the references' seq-mean (step shrinks with the fraction that has a peer) vs token-mean
     "sdpo_seqmean": arm(S, "--distill_agg=seq-mean", ref="sdpo"),
+    # rich feedback (the SDPO paper's code setting) on toy/func: the teacher of a row whose group has no
+    # success reads its own attempt's failing point, vs no teacher for that row, vs GRPO
+    "grpo_func": arm(G, *FUNC, evaluate=False),
+    "sdpo_func": arm(S, *FUNC, ref="grpo_func", evaluate=False),
+    "sdpo_func_feedback": arm(S, *FUNC, "--use_feedback=True", "--feedback_only_without_solution=True",
+                              ref="sdpo_func", evaluate=False),
 }
 EXPERIMENTS = {
     "main": ["grpo", "sdpo", "sdpo_d0.5", "sdpo_d0.25"],
@@ -89,10 +103,13 @@ EXPERIMENTS = {
     "select": ["grpo", "sdpo", "sdpo_d0.25", "sdpo_d0.25_disagree", "sdpo_d0.25_last"],
     "select0.5": ["grpo", "sdpo", "sdpo_d0.5", "sdpo_d0.5_disagree", "sdpo_d0.5_last"],
     "norm": ["grpo", "sdpo", "sdpo_seqmean"],
+    "feedback": ["sdpo_func_feedback", "sdpo_func", "grpo_func"],
 }
 # linear contrasts over arms, per seed (metric, {arm: coefficient}): where in distance the forgetting is
 # largest, for each algorithm, and where SDPO's excess over GRPO is largest
-CONTRASTS = {"distance": [
+CONTRASTS = {"feedback": [  # the feedback arm against GRPO (its reference is SDPO without feedback)
+    ("first_acc", {"sdpo_func_feedback": 1, "grpo_func": -1}), ("first_gain", {"sdpo_func_feedback": 1, "grpo_func": -1}),
+], "distance": [
     ("forgetting", {"grpo_mid": 1, "grpo_near": -1}), ("forgetting", {"grpo_mid": 1, "grpo_far": -1}),
     ("forgetting", {"sdpo_mid": 1, "sdpo_near": -1}), ("forgetting", {"sdpo_mid": 1, "sdpo_far": -1}),
     ("forgetting", {"sdpo_mid": 1, "grpo_mid": -1, "sdpo_near": -1, "grpo_near": 1}),
