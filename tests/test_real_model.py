@@ -17,6 +17,7 @@ from real import smollm2
 
 import models
 import train
+from teacher import TeacherLogits
 
 pytestmark = [pytest.mark.skipif(bool(smollm2.missing_packages()),
                                  reason=f"needs {', '.join(smollm2.missing_packages())}: {smollm2.INSTALL}"),
@@ -107,7 +108,7 @@ def test_fused_and_naive_topk_losses_agree_on_its_49k_vocab(distill_case, dtype,
     for fn, extra in ((train.naive_token_loss, {}), (train.fused_token_loss, {"chunk_size": 8})):
         hidden = h.clone().requires_grad_()
         w = weight.clone().requires_grad_()
-        loss, stats = fn(hidden, w, tokens, loss_fn, [(h_t, weight, 1.0)], None, alpha=0.5, distill="topk", topk=100,
+        loss, stats = fn(hidden, w, tokens, loss_fn, [TeacherLogits(h_t, weight, 1.0)], None, alpha=0.5, distill="topk", topk=100,
                          tail=True, temperature=0.6, **extra)
         loss.backward()
         results.append((loss.detach(), hidden.grad, w.grad, stats))
@@ -169,29 +170,38 @@ def test_sdpo_teacher_prompts_on_smollm2_are_well_formed_chat_turns(sdpo_run):
     with open(os.path.join(out_dir, "samples.jsonl")) as f:
         rows = [json.loads(line) for line in f]
     tasks = {chatml(t["messages"]): t for t in smollm2.capital_tasks()}
-    groups = [[r for r in rows if r["iter"] == it] for it in (1, 2)]
-    assert [len(g) for g in groups] == [4, 4]
+    # metrics.sample_rows logs the first per_group responses of each of the first groups: here 2 of
+    # each group's 4, so a demonstration is checked exactly where the logged neighbour succeeded
+    per_iter = [[r for r in rows if r["iter"] == it] for it in (1, 2)]
+    assert [len(g) for g in per_iter] == [4, 4]
+    groups = [[r for r in rows_ if r["prompt"] == p]
+              for rows_ in per_iter for p in dict.fromkeys(r["prompt"] for r in rows_)]
+    assert [len(g) for g in groups] == [2, 2, 2, 2]
     kinds = set()
     for group in groups:
-        assert len({r["prompt"] for r in group}) == 1
         task = tasks[group[0]["prompt"]]  # the student's prompt: the task's own chat turns
         system, question = (m["content"] for m in task["messages"])
+        head = chatml([{"role": "system", "content": system}, {"role": "user", "content": question + "\0"}]).split("\0")
         for i, row in enumerate(group):
             assert IM_START not in row["response"] and IM_END not in row["response"]
-            peer = next((r["response"].strip() for j, r in enumerate(group) if j != i and r["reward"] >= 1), None)
-            feedback = train.reward("mcq", row["response"], task["answer"])[1]
-            if peer is not None:
-                shown, kind = f"\n\nCorrect solution:\n\n{peer}", "demonstration"
-            elif feedback is not None:
-                shown = f"\n\nThe following is feedback from your unsuccessful earlier attempt:\n\n{feedback}"
-                kind = "feedback"
-            else:  # its own success, and no other: no teacher
-                assert row["teacher_prompt"] is None
+            other = group[1 - i]  # the group's earliest other response: its demonstration when it succeeded
+            if row["teacher_prompt"] is None:  # no teacher: its own success, and no other
+                assert row["reward"] >= 1 and other["reward"] < 1
                 continue
-            kinds.add(kind)
-            user = f"{question}{shown}\n\nCorrectly solve the original question."
-            want = chatml([{"role": "system", "content": system}, {"role": "user", "content": user}])
-            assert row["teacher_prompt"] == want
+            suffix = "\n\nCorrectly solve the original question." + head[1]
+            assert row["teacher_prompt"].startswith(head[0]) and row["teacher_prompt"].endswith(suffix)
+            shown = row["teacher_prompt"][len(head[0]):-len(suffix)]
+            if shown.startswith("\n\nCorrect solution:\n\n"):
+                kinds.add("demonstration")
+                demo = shown[len("\n\nCorrect solution:\n\n"):]
+                assert IM_START not in demo and IM_END not in demo
+                if other["reward"] >= 1:
+                    assert demo == other["response"].strip()
+            else:
+                kinds.add("feedback")
+                assert other["reward"] < 1
+                feedback = train.reward("mcq", row["response"], task["answer"])[1]
+                assert shown == f"\n\nThe following is feedback from your unsuccessful earlier attempt:\n\n{feedback}"
     assert "demonstration" in kinds, "no logged group had a successful response: change the seed"
 
 
