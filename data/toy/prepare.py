@@ -208,21 +208,22 @@ def write_domain(domain, seed, out_root):
     return context_lines
 
 
+def write_context_set(name, domains):
+    """Write each domain's files, and their teacher-context copies as toy/<name> (train only), so
+    that SFT can mix them in (config/toy_base.py) while RL never samples a prompt that holds its
+    own answer."""
+    lines = [line for domain in domains for line in write_domain(domain, seed=1337, out_root=HERE)]
+    os.makedirs(os.path.join(HERE, name), exist_ok=True)
+    path = os.path.join(HERE, name, "train.jsonl")
+    with open(path + ".tmp", "w") as f:
+        f.writelines(json.dumps(line) + "\n" for line in lines)
+    os.replace(path + ".tmp", path)
+    return lines
+
+
 if __name__ == "__main__":
-    context = [line for domain in DOMAINS for line in write_domain(domain, seed=1337, out_root=HERE)]
-    # the teacher-context copies live in their own set, toy/context (train only), so that SFT can
-    # mix them in (config/toy_base.py) while RL never samples a prompt that holds its own answer
-    os.makedirs(os.path.join(HERE, "context"), exist_ok=True)
-    path = os.path.join(HERE, "context", "train.jsonl")
-    with open(path + ".tmp", "w") as f:
-        f.writelines(json.dumps(line) + "\n" for line in context)
-    os.replace(path + ".tmp", path)
-    code_context = [line for domain in CODE_DOMAINS for line in write_domain(domain, seed=1337, out_root=HERE)]
-    os.makedirs(os.path.join(HERE, "context_code"), exist_ok=True)
-    path = os.path.join(HERE, "context_code", "train.jsonl")
-    with open(path + ".tmp", "w") as f:
-        f.writelines(json.dumps(line) + "\n" for line in code_context)
-    os.replace(path + ".tmp", path)
+    context = write_context_set("context", DOMAINS)
+    code_context = write_context_set("context_code", CODE_DOMAINS)
     tokenizer = build_char_tokenizer()
     tokenizer.save_pretrained(os.path.join(HERE, "tokenizer"))
     counts = ", ".join(f"{d} {N_TRAIN[d]}" for d in DOMAINS + CODE_DOMAINS)
