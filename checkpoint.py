@@ -40,6 +40,7 @@ import torch
 from safetensors.torch import load_file, load_model, save_file, save_model
 
 import metrics
+import runtime
 from configurator import UserError
 
 RUN_OUTPUTS = r"log\.jsonl|samples\.jsonl|accuracy_matrix\.json|ckpt(_good)?(\.tmp|\.old)?|stage\d+_.+|eval(_\w+)?\.(json|md|png)"
@@ -197,14 +198,25 @@ def reading(path):
             os.close(fd)
 
 
-def save(ckpt_dir, *, model, tokenizer, optimizer, teacher_model, state, rng_tensors, save_dtype="float32"):
-    """Write a checkpoint (layout in the module docstring) atomically."""
+def gather_full(model, optimizer, teacher_model):
+    """parallel=fsdp: the whole model, AdamW state and teacher gathered to rank 0's host memory, for
+    save(full=...) to write in the one layout both parallels share (every rank must call it; None when
+    the model is not sharded). A resume on the same world size loads them back shard by shard."""
+    if not runtime.is_sharded(model):
+        return None
+    return {"model": runtime.full_state_dict(model), "optimizer": runtime.full_optimizer_state(model, optimizer),
+            "teacher": runtime.full_state_dict(teacher_model) if teacher_model is not None else None}
+
+
+def save(ckpt_dir, *, model, tokenizer, optimizer, teacher_model, state, rng_tensors, save_dtype="float32", full=None):
+    """Write a checkpoint (layout in the module docstring) atomically. full: gather_full's (rank 0 of a
+    sharded run), written in place of the sharded model's, optimizer's and teacher's own state dicts."""
     size = lambda m: sum(p.numel() * p.element_size() for p in m.parameters()) if m is not None else 0  # noqa: E731
     needed = _folder_bytes(ckpt_dir) or 3 * size(model) + size(teacher_model)  # the last one's, or weights + 2 moments
     with writing(ckpt_dir):
         with disk_errors(ckpt_dir + ".tmp", needed, keeps=ckpt_dir):
             _write(ckpt_dir + ".tmp", model=model, tokenizer=tokenizer, optimizer=optimizer, teacher_model=teacher_model,
-                   state=state, rng_tensors=rng_tensors, save_dtype=save_dtype)
+                   state=state, rng_tensors=rng_tensors, save_dtype=save_dtype, full=full or {})
         _swap_in(ckpt_dir + ".tmp", ckpt_dir)  # outside disk_errors: a failed rename must not remove the new one
 
 
@@ -233,28 +245,29 @@ def _folder_bytes(folder):
     return sum(os.path.getsize(os.path.join(root, f)) for root, _, files in os.walk(folder) for f in files)
 
 
-def _write(tmp, *, model, tokenizer, optimizer, teacher_model, state, rng_tensors, save_dtype):
+def _write(tmp, *, model, tokenizer, optimizer, teacher_model, state, rng_tensors, save_dtype, full):
     shutil.rmtree(tmp, ignore_errors=True)
-    dtype, weights, cast = getattr(torch, save_dtype), None, {}
+    dtype, weights, cast, gathered = getattr(torch, save_dtype), None, {}, full.get("model")
     if dtype != torch.float32:  # cast each tensor once, so tied weights (embedding = LM head) stay one
         weights = {}
-        for k, v in model.state_dict().items():
+        for k, v in (gathered or model.state_dict()).items():
             if v.data_ptr() not in cast:
                 cast[v.data_ptr()] = v.to(dtype)
             weights[k] = cast[v.data_ptr()]
-    model.save_pretrained(tmp, state_dict=weights)
+    model.save_pretrained(tmp, state_dict=weights if weights is not None else gathered)
     if weights is not None:  # the exported config says so, so from_pretrained loads it in that dtype
         _set_config_dtype(os.path.join(tmp, "config.json"), save_dtype)
     tokenizer.save_pretrained(tmp)
     trainer = os.path.join(tmp, "trainer")
     os.makedirs(trainer)
-    opt = optimizer.state_dict()
+    opt = full.get("optimizer") or optimizer.state_dict()
     tensors = {f"{i}.{k}": v.contiguous() for i, s in opt["state"].items() for k, v in s.items()}
     save_file({**tensors, **{f"rng.{k}": v for k, v in rng_tensors.items()}}, os.path.join(trainer, "optimizer.safetensors"))
-    if teacher_model is not None:
-        save_model(teacher_model, os.path.join(trainer, "teacher.safetensors"))
-    if weights is not None:  # exact resume needs the fp32 master weights
-        save_model(model, os.path.join(trainer, "model_fp32.safetensors"))
+    for name, module, whole in (("teacher", teacher_model, full.get("teacher")), ("model_fp32", model, gathered)):
+        if module is None or (name == "model_fp32" and weights is None):  # exact resume needs the fp32 master weights
+            continue
+        path = os.path.join(trainer, f"{name}.safetensors")
+        save_file(whole, path) if whole is not None else save_model(module, path)
     with open(os.path.join(trainer, "state.json.tmp"), "w") as f:
         json.dump({**state, "param_groups": opt["param_groups"]}, f, indent=1)
     umask_modes(tmp)
@@ -270,12 +283,13 @@ def write_json(path, obj):
         os.replace(path + ".tmp", path)
 
 
-def save_snapshot(folder, ckpt_dir, model, tokenizer):
-    """A plain HF model folder (a stage's model), written as a checkpoint is: whole, or not there."""
+def save_snapshot(folder, ckpt_dir, model, tokenizer, state_dict=None):
+    """A plain HF model folder (a stage's model), written as a checkpoint is: whole, or not there.
+    state_dict: a sharded model's, gathered (runtime.full_state_dict)."""
     with writing(ckpt_dir):
         with disk_errors(folder + ".tmp", _folder_bytes(ckpt_dir)):
             shutil.rmtree(folder + ".tmp", ignore_errors=True)
-            model.save_pretrained(folder + ".tmp")
+            model.save_pretrained(folder + ".tmp", state_dict=state_dict)
             tokenizer.save_pretrained(folder + ".tmp")
             umask_modes(folder + ".tmp")
         shutil.rmtree(folder, ignore_errors=True)
@@ -453,7 +467,8 @@ def check_safetensors(path):
 
 
 def load_trainer(ckpt_dir, state, model, optimizer, teacher_model):
-    """The rest of a checkpoint into the freshly loaded model / optimizer / teacher; returns the RNG tensors."""
+    """The rest of a checkpoint into the freshly loaded model / optimizer / teacher; returns the RNG tensors.
+    Sharded ones (parallel=fsdp) take the whole tensors and keep their shards."""
     trainer = os.path.join(ckpt_dir, "trainer")
     tensors = load_file(os.path.join(trainer, "optimizer.safetensors"))
     opt_state = {}
@@ -461,14 +476,19 @@ def load_trainer(ckpt_dir, state, model, optimizer, teacher_model):
         if not key.startswith("rng."):
             i, name = key.split(".", 1)
             opt_state.setdefault(int(i), {})[name] = value
-    optimizer.load_state_dict({"state": opt_state, "param_groups": state["param_groups"]})
+    osd = {"state": opt_state, "param_groups": state["param_groups"]}
+    sharded = runtime.is_sharded(model)
+    runtime.load_full_optimizer_state(model, optimizer, osd) if sharded else optimizer.load_state_dict(osd)
+
+    def into(module, path):
+        runtime.load_full_state_dict(module, load_file(path)) if sharded else load_model(module, path)
     if os.path.exists(os.path.join(trainer, "model_fp32.safetensors")):
-        load_model(model, os.path.join(trainer, "model_fp32.safetensors"))
+        into(model, os.path.join(trainer, "model_fp32.safetensors"))
     if teacher_model is not None:
         path = os.path.join(trainer, "teacher.safetensors")
         if not os.path.exists(path):
             raise UserError(f"{path} is missing: the checkpoint has no teacher to resume")
-        load_model(teacher_model, path)
+        into(teacher_model, path)
     return {k[4:]: v for k, v in tensors.items() if k.startswith("rng.")}
 
 

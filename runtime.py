@@ -1,14 +1,21 @@
 """
 Where a run executes: the device, autocast and its dtype, fp32-output GEMMs where torch has them,
-and torchrun's ranks (Dist: the process group, global sums, the gradient all-reduce, gathers).
+and torchrun's ranks (Dist: the process group, global sums, the gradient all-reduce, gathers), with
+parallel=fsdp the models sharded over them (FSDP2: shard_model, gathered, the full state dicts).
 """
 import contextlib
 import datetime
 import functools
 import os
+import types
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
+                                                     set_model_state_dict, set_optimizer_state_dict)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+from torch.distributed.tensor import DTensor
 
 from configurator import UserError
 
@@ -100,16 +107,20 @@ def launch_problem(rank, world):
 
 class Dist:
     """torchrun's process group, or a single process. Ranks hold whole prompt groups; they add
-    token counts (global_sum) and gradients (all_reduce_grads); rank 0 writes. The environment
-    is checked first (one line for a launch that is not torchrun's), and ranks that do not all
-    turn up within RENDEZVOUS_TIMEOUT_S are one line, not a 30-minute hang."""
+    token counts (global_sum) and gradients (all_reduce_grads, or FSDP's reduce-scatter with
+    parallel=fsdp); rank 0 writes. The environment is checked first (one line for a launch that is
+    not torchrun's), ranks that do not all turn up within RENDEZVOUS_TIMEOUT_S are one line, not a
+    30-minute hang, and so is a rank that dies mid-run (lost_rank_is_one_line)."""
 
-    def __init__(self, device_name):
-        self.rank, self.world = env_int("RANK", 0), env_int("WORLD_SIZE", 1)
+    def __init__(self, device_name, parallel="ddp"):
+        self.rank, self.world, self.parallel = env_int("RANK", 0), env_int("WORLD_SIZE", 1), parallel
         problem = launch_problem(self.rank, self.world)
         if problem:
             raise UserError(f"{problem}: launch several processes with torchrun --nproc_per_node=N train.py ..., "
                             "or unset RANK / WORLD_SIZE for one")
+        if parallel == "fsdp" and self.world < 2:
+            raise UserError("parallel=fsdp shards the models over torchrun's ranks, and this is one process: launch "
+                            "torchrun --nproc_per_node=N train.py ... (N >= 2), or use parallel=ddp")
         self.device = pick_device(device_name)
         if self.world > 1:
             if self.device.type == "cuda":
@@ -143,11 +154,27 @@ class Dist:
         dist.all_reduce(t)
         return [int(x) if float(x).is_integer() else float(x) for x in t.tolist()]
 
+    def max_over_ranks(self, number):
+        return max(self.gather(number))
+
+    def shard(self, *models, param_dtype=None):
+        """parallel=fsdp: shard each model (None: skipped) over the ranks (shard_model)."""
+        for model in models:
+            if model is not None and self.parallel == "fsdp":
+                shard_model(model, self.device, self.world, param_dtype)
+
     def all_reduce_grads(self, model, bucket_elems=1 << 24):
         """Sum gradients over ranks (each rank's loss is already / the global token count). Small
         gradients travel in flat buckets of at most bucket_elems elements (64 MB in fp32), big
-        ones on their own, so no full-model flat copy is ever made."""
-        if self.world == 1:
+        ones on their own, so no full-model flat copy is ever made. (A sharded model's gradients
+        were reduce-scattered by FSDP in the backward: nothing to do.)
+
+        Hand-written rather than torch's DistributedDataParallel on purpose: train.py runs the
+        decoder body itself (the fused loss does the LM head), so DDP's forward never runs; a rank
+        whose micro-batches all lack signal runs no backward at all, where DDP's reducer would wait
+        for it; and the micro-batches are accumulated locally anyway. One all-reduce per step after
+        the last backward is the whole of DDP that this loop needs."""
+        if self.world == 1 or is_sharded(model):
             return
         params = list(model.parameters())
         for p in params:
@@ -183,3 +210,133 @@ class Dist:
     def barrier(self):
         if self.world > 1:
             dist.barrier()
+
+    @contextlib.contextmanager
+    def lost_rank_is_one_line(self):
+        """A rank that died (killed, out of memory) fails the others' next collective: one line on each
+        survivor instead of a traceback (gloo: 'Connection closed by peer'; NCCL: an aborted communicator)."""
+        try:
+            yield
+        except (RuntimeError, dist.DistError) as e:
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            if self.world == 1 or not (isinstance(e, dist.DistError) or any(s in first for s in PEER_LOST)):
+                raise
+            raise UserError(f"rank {self.rank} of {self.world}: another rank stopped ({type(e).__name__}: "
+                            f"{first[:160]}): its own output says why; continue with --init_from=resume") from None
+
+
+PEER_LOST = ("closed by peer", "reset by peer", "Broken pipe", "Connection refused", "NCCL communicator")
+
+
+# ----------------------------------------------------------------------------- sharding (parallel=fsdp)
+# FSDP2 (torch's fully_shard, as torchtitan / TRL / verl apply it): each decoder block is one group, the
+# root (embeddings, final norm, LM head; a tied head is the embedding, one parameter) another. A group's
+# weights are all-gathered before its forward and resharded after it (the root's stay until the
+# backward), its gradients reduce-scattered in the backward, the AdamW state lives on the shards. Every
+# rank must run the same collectives in the same order: train.py holds whole models through its no-grad
+# phases, where ranks decode or read a teacher unevenly (gathered), and gives every rank as many
+# micro-batches (loss_backward's lockstep).
+def is_sharded(module):
+    return isinstance(module, FSDPModule)
+
+
+def decoder_blocks(model):
+    """The repeated blocks FSDP shards one by one: the classes transformers itself never splits
+    (_no_split_modules: Qwen3DecoderLayer, LlamaDecoderLayer, GPT2Block, ...)."""
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    blocks = [m for m in model.modules() if type(m).__name__ in names]
+    if not blocks:
+        raise UserError(f"{type(model).__name__} names no decoder block class (_no_split_modules) for parallel=fsdp "
+                        "to shard: use parallel=ddp")
+    return blocks
+
+
+def shard_model(model, dev, world, param_dtype=None):
+    """fully_shard each decoder block, then the root, over a 1-D mesh of `world` ranks (the weights move to
+    dev). param_dtype (bf16 for dtype=bfloat16): FSDP's MixedPrecisionPolicy gathers the weights in it and
+    reduces the gradients in fp32; the sharded master weights and AdamW state stay fp32. Gradients are
+    summed over ranks, not averaged: each rank's loss is already divided by the whole step's token count."""
+    mesh = init_device_mesh(dev.type, (world,))
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
+    for block in decoder_blocks(model):
+        fully_shard(block, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    model.set_gradient_divide_factor(1.0)
+    _route_body_through_root(model)
+    return model
+
+
+def _route_body_through_root(model):
+    """train.py runs the decoder body itself (models.body_forward; the fused loss does the LM head). A
+    call to the body from outside the model's own forward goes through the root's FSDP hooks, which
+    gather the root's weights first and, with grad, keep them until the backward: lm_head(model) then
+    reads the full head weight FSDP gathered, and its gradient is reduce-scattered with the root's."""
+    from models import decoder_body  # (models imports this module)
+    body = decoder_body(model)
+    inside = []  # non-empty while the model's own forward runs (it calls the body itself)
+    model.register_forward_pre_hook(lambda module, args: inside.append(True))
+    model.register_forward_hook(lambda module, args, out: inside.pop(), always_call=True)
+    plain = body.forward
+    model.nanosdpo_body_forward = types.MethodType(lambda self, *args, **kwargs: plain(*args, **kwargs), model)
+    register_fsdp_forward_method(model, "nanosdpo_body_forward")
+
+    @functools.wraps(plain)  # (keeps the signature: models.takes_position_ids reads it)
+    def forward(*args, **kwargs):
+        return plain(*args, **kwargs) if inside else model.nanosdpo_body_forward(*args, **kwargs)
+    body.forward = forward
+
+
+@contextlib.contextmanager
+def gathered(*models):
+    """Hold sharded models' full weights through a no-grad phase (a rollout, an eval, the teacher and the
+    KL reference during the loss): one all-gather per group on entry, none per forward inside (a generate
+    call decodes without any, and ranks may decode different numbers of steps), resharded on exit. A model
+    that is not sharded (or None) passes through."""
+    roots = [m for m in models if is_sharded(m)]
+    groups = [g for m in roots for g in m.modules() if isinstance(g, FSDPModule)]
+    for group in groups:
+        group.unshard()
+        group.set_reshard_after_forward(False, recurse=False)
+    try:
+        yield
+    finally:
+        for group in groups:
+            group.reshard()
+            group.set_reshard_after_forward(not any(group is m for m in roots), recurse=False)  # roots: FSDP's default
+
+
+def local(t):
+    """This rank's shard of a sharded tensor (a view: writing it writes the shard), or t itself."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)  # gathered to rank 0's host memory
+
+
+def full_state_dict(model):
+    """A sharded model's whole state dict on rank 0 (CPU; {} on the others; every rank must call it)."""
+    return get_model_state_dict(model, options=FULL)
+
+
+def full_optimizer_state(model, optimizer):
+    """A sharded model's AdamW state, whole, on rank 0 ({} elsewhere; every rank calls it), in the layout of
+    optimizer.state_dict() (parameters by position), which checkpoint.py writes for either parallel."""
+    osd = get_optimizer_state_dict(model, optimizer, options=FULL)
+    if not osd:
+        return {}
+    index = {name: i for i, (name, _) in enumerate(model.named_parameters())}
+    return {"state": {index[name]: s for name, s in osd["state"].items()},
+            "param_groups": [dict(g, params=[index[name] for name in g["params"]]) for g in osd["param_groups"]]}
+
+
+def load_full_state_dict(model, state_dict):
+    """A whole state dict (every rank holds it) into a sharded model: each rank keeps its shard."""
+    set_model_state_dict(model, state_dict, options=StateDictOptions(full_state_dict=True))
+
+
+def load_full_optimizer_state(model, optimizer, osd):
+    """full_optimizer_state's layout (every rank holds it) into the optimizer of a sharded model."""
+    names = [name for name, _ in model.named_parameters()]
+    osd = {"state": {names[i]: s for i, s in osd["state"].items()},
+           "param_groups": [dict(g, params=[names[i] for i in g["params"]]) for g in osd["param_groups"]]}
+    set_optimizer_state_dict(model, optimizer, osd, options=StateDictOptions(full_state_dict=True))

@@ -11,6 +11,7 @@ from typing import NamedTuple
 import torch
 
 from models import frozen_copy, lm_head, load_model, shared_prompt_hidden
+from runtime import local
 
 
 class TeacherLogits(NamedTuple):
@@ -99,5 +100,7 @@ class Teacher:
 
 @torch.no_grad()
 def ema_update(teacher_model, student_model, rate):
-    """θ_T ← (1 − rate)·θ_T + rate·θ, once per optimizer step."""
-    torch._foreach_lerp_(list(teacher_model.parameters()), [p.detach() for p in student_model.parameters()], rate)
+    """θ_T ← (1 − rate)·θ_T + rate·θ, once per optimizer step. Sharded alike (parallel=fsdp), each rank
+    updates its own shards: the same elementwise update, no communication."""
+    torch._foreach_lerp_([local(p) for p in teacher_model.parameters()],
+                         [local(p.detach()) for p in student_model.parameters()], rate)

@@ -60,8 +60,8 @@ Simplifications, on purpose:
   - Generation is plain HF forward calls with a KV cache, no vLLM and no paged attention. On CUDA
     the decode step runs on a static KV cache through torch.compile (CUDA graphs): a fixed-shape
     fast path, not a serving engine.
-  - One GPU, or DDP-style data parallelism under torchrun with a hand-written gradient all-reduce;
-    no sharding (FSDP) of weights or optimizer state.
+  - One GPU, or under torchrun DDP-style data parallelism (a hand-written gradient all-reduce) or
+    FSDP2 sharding of weights, gradients, optimizer state and teacher (parallel=fsdp, runtime.py).
 """
 import contextlib
 import copy
@@ -89,7 +89,7 @@ from decoding import StepMemory, forward_with_cache, new_cache, static_decoding,
 from models import (context_length, disable_dropout, enable_grad_checkpointing, eval_mode, fit_prompt, fit_tasks,
                     frozen_copy, has_chat_template, lm_head, load_model, pad_batch, prompt_budget, prompt_ids,
                     response_hidden, stop_token_ids, takes_position_ids)
-from runtime import Dist, amp_dtype, fp32_out_mm, make_autocast
+from runtime import Dist, amp_dtype, fp32_out_mm, full_state_dict, gathered, make_autocast
 from teacher import Teacher
 
 # ----------------------------------------------------------------------------- defaults
@@ -117,6 +117,7 @@ wandb_project = "nanosdpo"  # wandb project name
 wandb_run_name = "run"  # wandb run name
 seed = 1337  # seeds python, torch, data order, sampling and density masks
 device = "auto"  # 'auto', 'cpu', 'cuda', 'cuda:1', ...
+parallel = "ddp"  # under torchrun: 'ddp' (every rank holds every weight) or 'fsdp' (FSDP2: weights, grads, AdamW, teacher sharded)
 dtype = "auto"  # 'auto' (bfloat16 on CUDA, float32 on CPU), 'float32', 'bfloat16'
 enable_thinking = False  # passed to the chat template (Qwen3: thinking off, the paper's setting)
 # model built by init_from='scratch' (a small Qwen2-architecture model)
@@ -200,6 +201,7 @@ CHOICES = {
     "math_checker": ("builtin", "math_verify"),
     "density_select": ("random", "disagree", "last"),
     "distill_agg": ("token-mean", "seq-mean"),
+    "parallel": ("ddp", "fsdp"),
 }
 RANGES = {  # key: (low, high, low inclusive)
     "density": (0.0, 1.0, False), "alpha": (0.0, 1.0, True), "teacher_rate": (0.0, 1.0, True),
@@ -244,6 +246,9 @@ def check_config(cfg):
     if cfg["teacher_init"] and not (cfg["algo"] == "sdpo" and cfg["teacher"] in ("frozen", "ema")):
         raise UserError("teacher_init sets the starting weights of a frozen or EMA teacher: it needs algo=sdpo with "
                         "teacher=frozen or ema (live is the student, trust_region mixes in the initial model)")
+    if cfg["parallel"] == "fsdp" and cfg["algo"] == "sdpo" and cfg["teacher"] in ("live", "trust_region"):
+        raise UserError(f"parallel=fsdp shards a frozen or EMA teacher; teacher={cfg['teacher']} reads the sharded student "
+                        "in forwards that ranks run unevenly: use teacher=ema or frozen, or parallel=ddp")
     parse_stages(cfg["stages"], cfg["dataset"], cfg["max_iters"])
     check_seed(cfg["seed"])
     for key, names in {"reprompt_template": "prompt solution feedback", "solution_template": "solution",
@@ -508,7 +513,7 @@ def build_batch(tasks, model, tokenizer, cfg, generator, dev, *, autocast=contex
                      distill_weight=[torch.zeros(n) for n in lengths]), {"tokens": sum(lengths)}
     G = cfg["group_size"]
     t0 = time.time()
-    with autocast():
+    with autocast(), gathered(model):  # parallel=fsdp: one all-gather per rollout, none per decode step
         batch = generate(model, prompts, group_size=G, max_rows=cfg["gen_batch_size"], max_new_tokens=cfg["max_new_tokens"],
                          temperature=cfg["temperature"], top_p=cfg["top_p"], eos_ids=stop_token_ids(model, tokenizer),
                          pad_id=tokenizer.pad_token_id, generator=generator, progress=progress,
@@ -796,13 +801,14 @@ def loss_chunk_size(cfg, dev):
     return cfg["loss_chunk"] or (128 if dev.type == "cpu" else 512)
 
 
-def loss_backward(model, batch, cfg, dev, *, teacher=None, initial_model=None):
+def loss_backward(model, batch, cfg, dev, *, teacher=None, initial_model=None, lockstep=None):
     """Forward + backward over the sequences of one optimizer step, in micro-batches.
 
     batch: a Batch with its loss weights set (build_batch). Sequences with no weight anywhere are
     skipped. teacher: the run's Teacher (None: one of cfg's kind without its own copy, e.g. live);
-    initial_model: the KL reference. Returns the loss, the phase times and the token diagnostics
-    (metrics.TokenSums' fields), summed over the micro-batches."""
+    initial_model: the KL reference; lockstep (parallel=fsdp: Dist.max_over_ranks): every rank runs
+    as many micro-batches, weightless ones where it has fewer. Returns the loss, the phase times and
+    the token diagnostics (metrics.TokenSums' fields), summed over the micro-batches."""
     teacher = teacher or Teacher(cfg["teacher"], cfg["teacher_rate"], initial=initial_model)  # (read by sdpo only)
     amp, autocast = amp_dtype(dev, cfg["dtype"]), make_autocast(dev, cfg["dtype"])
     in_loss = [i for i, (p, d) in enumerate(zip(batch.pg_weight, batch.distill_weight)) if p.any() or d.any()]
@@ -812,8 +818,12 @@ def loss_backward(model, batch, cfg, dev, *, teacher=None, initial_model=None):
     chunk = loss_chunk_size(cfg, dev)
     options = dict(chunk_size=chunk, matmul_dtype=amp) if cfg["fused_loss"] else {}
     temperature = 1.0 if cfg["algo"] == "sft" else cfg["temperature"]
-    for start in range(0, len(in_loss), cfg["micro_batch_size"]):
-        mb = batch.take(in_loss[start:start + cfg["micro_batch_size"]])
+    n_micro = -(-len(in_loss) // cfg["micro_batch_size"])
+    for k in range(lockstep(n_micro) if lockstep else n_micro):  # (fsdp: each pass runs collectives on every rank)
+        rows = in_loss[k * cfg["micro_batch_size"]:(k + 1) * cfg["micro_batch_size"]]
+        mb = batch.take(rows or [0])
+        if not rows:  # a pass without weight, to keep step with the other ranks
+            mb.pg_weight, mb.distill_weight = [w * 0 for w in mb.pg_weight], [w * 0 for w in mb.distill_weight]
         tokens = torch.tensor([t for r in mb.response_ids for t in r], device=dev)
         lengths = [len(r) for r in mb.response_ids]
         distill_weight = torch.cat(mb.distill_weight).to(dev)
@@ -851,7 +861,7 @@ def loss_backward(model, batch, cfg, dev, *, teacher=None, initial_model=None):
             [torch.full((n,), r >= cfg["success_threshold"]) for n, r in zip(lengths, mb.rewards)]).to(dev)
         mb_diagnostics = metrics.token_sums(stats, old_logp, div_rows, success, cfg["clip_low"], cfg["clip_high"])
         mb_diagnostics, (mb_loss,) = mb_diagnostics.on_host(loss.detach().float())  # one host sync per micro-batch
-        diagnostics.add(mb_diagnostics)
+        diagnostics.add(mb_diagnostics if rows else metrics.TokenSums())
         sums["loss"] += mb_loss
         sums["reference_s"] += t1 - t0
         sums["teacher_s"] += t2 - t1
@@ -988,6 +998,7 @@ def setup(cfg, ddp, stack):
         initial_model = (load_model(state.base_init, dev, scratch=cfg)[0].eval().requires_grad_(False) if resume
                          else frozen_copy(model))  # a fresh load needs no second copy
     teacher = Teacher.create(cfg, model, initial_model, dev, resume)
+    ddp.shard(model, initial_model, teacher and teacher.own, param_dtype=amp_dtype(dev, cfg["dtype"]))  # parallel=fsdp
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg["learning_rate"], betas=(cfg["beta1"], cfg["beta2"]),
                                   weight_decay=cfg["weight_decay"])
     if resume:
@@ -1046,7 +1057,7 @@ def run_eval(run, cfg, ddp, tag):
 def score_set(run, cfg, ddp, model, tasks, generator):
     """mean@n / pass@n and the mean response length of `model` on one eval set, over every rank."""
     n = cfg["eval_n"]
-    with make_autocast(ddp.device, cfg["dtype"])():
+    with make_autocast(ddp.device, cfg["dtype"])(), gathered(model):  # ranks may score unequal shares
         res = evaluate(model, run.tokenizer, tasks[ddp.rank::ddp.world], n=n, temperature=cfg["eval_temperature"],
                        top_p=cfg["eval_top_p"], max_new_tokens=cfg["max_new_tokens"],
                        batch_prompts=max(1, cfg["batch_prompts"] * cfg["group_size"] // n), generator=generator,
@@ -1064,18 +1075,19 @@ def save_checkpoint(run, cfg, ddp, passed=None):
     this checkpoint too."""
     model, state = run.model, run.state
     # ranks must hold identical weights (same init, same all-reduced steps): check cheaply
-    if ddp.world > 1:
+    if ddp.world > 1 and cfg["parallel"] == "ddp":
         sums = ddp.gather(sum(p.detach().sum(dtype=torch.float64).item() for p in model.parameters()))
         run.log.record({"iter": state.iter, "rank_param_sums": sums})
         if len(set(sums)) > 1:
             raise UserError(f"ranks diverged: parameter sums {sums}")
     rng_states = ddp.gather(state.generator.get_state())
+    full = checkpoint.gather_full(model, run.optimizer, run.teacher and run.teacher.own)  # fsdp: on rank 0 (ddp: None)
     if passed is not None:
         state.guard.good = {"iter": state.iter, "acc": passed}
     if ddp.master:
         checkpoint.save(run.ckpt_dir, model=model, tokenizer=run.tokenizer, optimizer=run.optimizer,
                         teacher_model=run.teacher and run.teacher.own, save_dtype=cfg["save_dtype"],
-                        state=state.to_json(cfg),
+                        state=state.to_json(cfg), full=full,
                         rng_tensors={f"sampling.{r}": g for r, g in enumerate(rng_states)})
         if passed is not None:
             checkpoint.keep_as_good(run.ckpt_dir, run.ckpt_dir + "_good")
@@ -1097,21 +1109,22 @@ def end_stage(run, cfg, ddp, stage, name):
     passed = row if metrics.check_eval(state.guard, row, lengths, cfg, metrics.trained_sets(run.stages, name)) else None
     state.accuracy_matrix["stages"].append(name)
     state.accuracy_matrix["rows"].append([row[s] for s in run.eval_names])
+    weights = full_state_dict(run.model) if len(run.stages) > 1 and cfg["parallel"] == "fsdp" else None  # the snapshot's
     if ddp.master:
         checkpoint.write_json(os.path.join(cfg["out_dir"], "accuracy_matrix.json"), state.accuracy_matrix)
         if len(run.stages) > 1:
             snap = os.path.join(cfg["out_dir"], f"stage{stage + 1}_{name.replace('/', '_').replace('+', '_')}")
-            checkpoint.save_snapshot(snap, run.ckpt_dir, run.model, run.tokenizer)
+            checkpoint.save_snapshot(snap, run.ckpt_dir, run.model, run.tokenizer, state_dict=weights)
     state.stage, state.stage_iter = stage + 1, 0
     save_checkpoint(run, cfg, ddp, passed=passed)
 
 
 def main(cfg):
     check_config(cfg)
-    ddp = Dist(cfg["device"])
+    ddp = Dist(cfg["device"], cfg["parallel"])
     if cfg["batch_prompts"] % ddp.world:
         raise UserError(f"batch_prompts={cfg['batch_prompts']} must be divisible by the {ddp.world} ranks")
-    with contextlib.ExitStack() as stack:  # holds out_dir's lock until the run ends, however it ends
+    with ddp.lost_rank_is_one_line(), contextlib.ExitStack() as stack:  # stack: out_dir's lock, until the run ends
         run = setup(cfg, ddp, stack)
         try:
             train_loop(run, cfg, ddp)
@@ -1156,9 +1169,12 @@ def train_loop(run, cfg, ddp):
             t1 = time.time()
             step_memory.before_step(dev)  # CUDA: the static cache goes unless it fits beside the step
             # student (and teacher) forward and backward, in micro-batches; a diverging loss stops the run
-            loss_metrics = loss_backward(model, batch, cfg, dev, teacher=run.teacher,
-                                         initial_model=run.initial_model)
-            metrics.check_loss(state.guard, loss_metrics["loss"], log_vocab=log_vocab, stop=cfg["stop_on_collapse"])
+            with gathered(run.teacher and run.teacher.own, run.initial_model if cfg["kl_coef"] > 0 else None):  # fsdp
+                loss_metrics = loss_backward(model, batch, cfg, dev, teacher=run.teacher, initial_model=run.initial_model,
+                                             lockstep=ddp.max_over_ranks if cfg["parallel"] == "fsdp" else None)
+            # the whole step's loss (every rank's share), so that every rank takes the same decision
+            metrics.check_loss(state.guard, ddp.global_sum([loss_metrics["loss"]])[0], log_vocab=log_vocab,
+                               stop=cfg["stop_on_collapse"])
             ddp.all_reduce_grads(model)
             t2 = time.time()
             # optimizer step, then the EMA teacher follows the student
