@@ -285,7 +285,7 @@ def write_json(path, obj):
 
 def save_snapshot(folder, ckpt_dir, model, tokenizer, state_dict=None):
     """A plain HF model folder (a stage's model), written as a checkpoint is: whole, or not there.
-    state_dict: a sharded model's, gathered (runtime.full_state_dict)."""
+    state_dict: a sharded model's, gathered (runtime.full_state_dict; rank 0 writes)."""
     with writing(ckpt_dir):
         with disk_errors(folder + ".tmp", _folder_bytes(ckpt_dir)):
             shutil.rmtree(folder + ".tmp", ignore_errors=True)

@@ -261,7 +261,9 @@ def shard_model(model, dev, world, param_dtype=None):
     for block in decoder_blocks(model):
         fully_shard(block, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)
-    model.set_gradient_divide_factor(1.0)
+    for group in (m for m in model.modules() if isinstance(m, FSDPModule)):  # a plain SUM (gloo has no PREMUL_SUM)
+        group.set_gradient_divide_factor(1.0)
+        group.set_force_sum_reduction_for_comms(True)
     _route_body_through_root(model)
     return model
 
@@ -274,8 +276,8 @@ def _route_body_through_root(model):
     from models import decoder_body  # (models imports this module)
     body = decoder_body(model)
     inside = []  # non-empty while the model's own forward runs (it calls the body itself)
-    model.register_forward_pre_hook(lambda module, args: inside.append(True))
-    model.register_forward_hook(lambda module, args, out: inside.pop(), always_call=True)
+    model.register_forward_pre_hook(lambda module, args: inside.append(True))  # (the hooks return None: no change)
+    model.register_forward_hook(lambda module, args, out: inside.clear(), always_call=True)
     plain = body.forward
     model.nanosdpo_body_forward = types.MethodType(lambda self, *args, **kwargs: plain(*args, **kwargs), model)
     register_fsdp_forward_method(model, "nanosdpo_body_forward")
@@ -314,13 +316,21 @@ FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)  # gathered to r
 
 
 def full_state_dict(model):
-    """A sharded model's whole state dict on rank 0 (CPU; {} on the others; every rank must call it)."""
-    return get_model_state_dict(model, options=FULL)
+    """A sharded model's whole state dict on rank 0 (CPU; {} on the others; every rank must call it). A tied
+    weight comes under each of its names, a copy each: safetensors refuses shared tensors, and given one
+    tensor under two names save_pretrained writes one of them, where an unsharded model's writes both."""
+    out, seen = {}, set()
+    for name, tensor in get_model_state_dict(model, options=FULL).items():
+        out[name] = tensor.clone() if id(tensor) in seen else tensor
+        seen.add(id(tensor))
+    return out
 
 
 def full_optimizer_state(model, optimizer):
     """A sharded model's AdamW state, whole, on rank 0 ({} elsewhere; every rank calls it), in the layout of
     optimizer.state_dict() (parameters by position), which checkpoint.py writes for either parallel."""
+    if not optimizer.state:  # before the first step: torch's getter would take a zero-gradient step to fill it
+        return optimizer.state_dict()
     osd = get_optimizer_state_dict(model, optimizer, options=FULL)
     if not osd:
         return {}
@@ -336,6 +346,9 @@ def load_full_state_dict(model, state_dict):
 
 def load_full_optimizer_state(model, optimizer, osd):
     """full_optimizer_state's layout (every rank holds it) into the optimizer of a sharded model."""
+    if not osd["state"]:  # no moments yet (saved before the first step): the hyperparameters only, no zero step
+        optimizer.load_state_dict(osd)
+        return
     names = [name for name, _ in model.named_parameters()]
     osd = {"state": {names[i]: s for i, s in osd["state"].items()},
            "param_groups": [dict(g, params=[names[i] for i in g["params"]]) for g in osd["param_groups"]]}
