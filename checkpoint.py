@@ -267,7 +267,7 @@ def _write(tmp, *, model, tokenizer, optimizer, teacher_model, state, rng_tensor
         if module is None or (name == "model_fp32" and weights is None):  # exact resume needs the fp32 master weights
             continue
         path = os.path.join(trainer, f"{name}.safetensors")
-        save_file(whole, path) if whole is not None else save_model(module, path)
+        save_file(runtime.unshared(whole), path) if whole is not None else save_model(module, path)
     with open(os.path.join(trainer, "state.json.tmp"), "w") as f:
         json.dump({**state, "param_groups": opt["param_groups"]}, f, indent=1)
     umask_modes(tmp)

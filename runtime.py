@@ -316,14 +316,26 @@ FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)  # gathered to r
 
 
 def full_state_dict(model):
-    """A sharded model's whole state dict on rank 0 (CPU; {} on the others; every rank must call it). A tied
-    weight comes under each of its names, a copy each: safetensors refuses shared tensors, and given one
-    tensor under two names save_pretrained writes one of them, where an unsharded model's writes both."""
-    out, seen = {}, set()
-    for name, tensor in get_model_state_dict(model, options=FULL).items():
-        out[name] = tensor.clone() if id(tensor) in seen else tensor
-        seen.add(id(tensor))
-    return out
+    """A sharded model's whole state dict on rank 0 (CPU; {} on the others; every rank must call it), a
+    tied weight one tensor under each of its names, as model.state_dict() has it (save_pretrained then
+    writes it once, as it does for an unsharded model; unshared() before a safetensors file)."""
+    state_dict = get_model_state_dict(model, options=FULL)
+    return tied(model, state_dict) if state_dict else state_dict
+
+
+def tied(model, state_dict):
+    """state_dict with every name of a tied weight (the LM head = the embedding) mapped to one tensor, the
+    first name's; names it lacks are added."""
+    first = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        state_dict[name] = state_dict[first.setdefault(id(p), name)]
+    return state_dict
+
+
+def unshared(state_dict):
+    """state_dict with each tensor under its first name only (safetensors refuses a tensor under two)."""
+    seen = set()
+    return {k: v for k, v in state_dict.items() if not (id(v) in seen or seen.add(id(v)))}
 
 
 def full_optimizer_state(model, optimizer):
@@ -340,8 +352,9 @@ def full_optimizer_state(model, optimizer):
 
 
 def load_full_state_dict(model, state_dict):
-    """A whole state dict (every rank holds it) into a sharded model: each rank keeps its shard."""
-    set_model_state_dict(model, state_dict, options=StateDictOptions(full_state_dict=True))
+    """A whole state dict (every rank holds it; a tied weight under one name or all) into a sharded
+    model: each rank keeps its shard."""
+    set_model_state_dict(model, tied(model, dict(state_dict)), options=StateDictOptions(full_state_dict=True))
 
 
 def load_full_optimizer_state(model, optimizer, osd):
