@@ -6,6 +6,7 @@ parameters exactly) and the run's settings. No GPU and no download needed.
     python tests/bench/memory_estimate.py --config=config/sdpo_gsm8k.py     # a shipped config, as train.py reads it
     python tests/bench/memory_estimate.py --config=config/sdpo_gsm8k.py --init_from=Qwen/Qwen3-0.6B --gen_batch_size=32
     python tests/bench/memory_estimate.py --config=config/grpo_math.py --world_size=8    # one rank under torchrun
+    python tests/bench/memory_estimate.py --parallel=fsdp --world_size=8   # one rank of 8, FSDP-sharded (fsdp_rows)
     python tests/bench/memory_estimate.py --model=qwen3-8b                  # another architecture, the config's settings
 
 Settings: train.py's defaults, then the --config file, then any train.py --key=value, all through
@@ -162,6 +163,9 @@ def estimate(cfg, model, world_size=1, prompt_tokens=512, teacher_prompt_tokens=
          4 * min(BUCKET, n) if world_size > 1 else 0, "train step"),
         ("adamw_step", "optimizer step: foreach AdamW's sqrt(v) temporary (fp32)", 4 * n, "optimizer"),
     ]
+    if cfg["parallel"] == "fsdp":
+        rows = fsdp_rows(rows, a, n, world_size, sharded_copies=copies, gathered_copies=(
+            int(sdpo and teacher in ("frozen", "ema")) + int(algo != "sft" and cfg["kl_coef"] > 0)))
     # the rollout's static cache stays through the train step only where both fit (decoding.StepMemory)
     phases = {p: sum(b for _, _, b, q in rows if q == p) for p in ("state", "generation", "train step", "optimizer")}
     rollout_cache = train_rows * cache_len * kv_per_token
@@ -172,10 +176,44 @@ def estimate(cfg, model, world_size=1, prompt_tokens=512, teacher_prompt_tokens=
         rollout_cache if kept else 0, "train step"))
     phases["train step"] += rollout_cache if kept else 0
     peak = phases["state"] + max(phases["generation"], phases["train step"], phases["optimizer"])
+    peak = max(peak, sum(b for _, _, b, q in rows if q == "load"))  # fsdp: the whole models, before sharding
     summary = dict(params=n, kv_per_token=kv_per_token, gen_rows=gen_rows, micro_rows=micro, static_cache_kept=kept,
                    teacher_prompt_tokens=teacher_prompt_tokens, phases=phases, peak=peak,
                    peak_phase=max(("generation", "train step", "optimizer"), key=phases.get))
     return rows, summary
+
+
+def fsdp_rows(rows, a, n, world, *, sharded_copies, gathered_copies):
+    """The rows of one rank of `world` under parallel=fsdp (runtime.shard_model): the fp32 state (weights,
+    grads, AdamW, teacher / reference copies) and the optimizer's temporary are 1/world each; a generate
+    call holds the student gathered in bf16 (MixedPrecisionPolicy: what autocast's copies were), the train
+    step the EMA / frozen teacher and the KL reference gathered in bf16 (runtime.gathered, for the whole
+    loss), two decoder blocks of the student (FSDP prefetches the next) and its root (embeddings, norm, LM
+    head) through the step, and one block's gradients while they are reduce-scattered (bf16, fp32 for the
+    reduction). Before sharding, setup holds the student and its copies whole, in fp32 (the 'load' row:
+    a peak of its own, not on top of the state)."""
+    H, V, L = a["hidden_size"], VOCAB, a["num_hidden_layers"]
+    root = V * H * (1 if a["tie_word_embeddings"] else 2) + H
+    block = (n - root) // L
+    out = []
+    for key, label, b, phase in rows:
+        if phase == "state" or key == "adamw_step":
+            out.append((key, f"{label}, 1/{world} (sharded)", b // world, phase))
+        elif key == "autocast_gen":
+            out.append((key, "the student gathered (bf16, FSDP's param_dtype), held through a generate call", 2 * n, phase))
+        elif key == "autocast_step":
+            out += [("fsdp_gathered_copies", f"teacher / KL reference gathered (bf16) through the loss x{gathered_copies}",
+                     2 * n * gathered_copies, phase),
+                    ("fsdp_blocks", "student: 2 decoder blocks gathered (bf16) + the root (embeddings, LM head) and "
+                     "its bf16 gradient", 2 * (2 * block + 2 * root), phase)]
+        elif key == "ddp_bucket":
+            out.append(("fsdp_reduce", "reduce-scatter of one block's gradients (bf16 + fp32 for the reduction)",
+                        6 * block, phase))
+        else:
+            out.append((key, label, b, phase))
+    out.append(("fsdp_load", f"at load, before sharding: the student and {sharded_copies} copies, whole (fp32)",
+                4 * n * (1 + sharded_copies), "load"))
+    return out
 
 
 def load_config(config, overrides):
@@ -217,13 +255,13 @@ def main(argv=None):
           + f", gen_batch_size={cfg['gen_batch_size']}, micro_batch_size={cfg['micro_batch_size']}, "
             f"grad_checkpointing={cfg['grad_checkpointing']}, world_size={args.world_size}")
     width = 100
-    for phase in ("state", "generation", "train step", "optimizer"):
+    for phase in ("state", "generation", "train step", "optimizer", "load"):
         print(f"  [{phase}]")
         for _, label, b, p in rows:
             if p == phase:
                 print(f"    {label:<{width - 4}}{b / GB:>7.1f} GB")
     print(f"  {'training state (weights, grads, AdamW, copies)':<{width - 2}}{state / GB:>7.1f} GB")
-    print(f"  {'peak estimate: state + max(generation, train step, optimizer) -- ' + s['peak_phase']:<{width - 2}}"
+    print(f"  {'peak estimate: state + max(generation, train step, optimizer) -- ' + s['peak_phase'] + (' (or load)' if cfg['parallel'] == 'fsdp' else ''):<{width - 2}}"
           f"{peak / GB:>7.1f} GB")
     print(f"  {'needs a GPU of at least (peak / 0.9: CUDA context, fragmentation)':<{width - 2}}{peak / SLACK / GB:>7.1f} GB")
     print(json.dumps({
@@ -236,7 +274,7 @@ def main(argv=None):
         "kv_cache_gen_gb": round(next(b for k, _, b, _ in rows if k == "kv_generate") / GB, 1),
         "static_cache_kept": s["static_cache_kept"],
         "settings": {"prompt_tokens": args.prompt_tokens, "teacher_prompt_tokens": s["teacher_prompt_tokens"],
-                     **{k: cfg[k] for k in ("algo", "teacher", "kl_coef", "batch_prompts", "group_size", "eval_n",
+                     **{k: cfg[k] for k in ("parallel", "algo", "teacher", "kl_coef", "batch_prompts", "group_size", "eval_n",
                                             "gen_batch_size", "micro_batch_size", "grad_checkpointing", "max_new_tokens",
                                             "max_reprompt_len", "fused_loss", "loss_chunk")}},
     }))
