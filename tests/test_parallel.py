@@ -91,6 +91,9 @@ def test_fsdp_grpo_and_sdpo_steps_equal_one_process_on_the_same_global_batch(toy
     assert gathers["gathered"] == gathers["groups"] == 3  # 2 blocks + the root, once for 8 decode steps
     assert gathers["per_step"] > 2 * gathers["groups"]  # (what each decode step would cost without it)
     assert gathers["gathered_tokens"] == gathers["per_step_tokens"] == [8, 8, 8, 8]
+    mp = result["mixed_precision_and_collapse"]
+    assert mp["gathered_dtypes"] == ["torch.bfloat16"] and mp["shard_dtypes"] == ["torch.float32"]
+    assert len(mp["collapse"]) == 2 and all("not finite" in (m or "") for m in mp["collapse"])  # rank 1's inf stops both
 
 
 def test_fsdp_sdpo_run_equals_the_ddp_run(fsdp_sdpo, tmp_path):
@@ -181,3 +184,22 @@ def test_fsdp_is_refused_in_one_line_where_it_cannot_run():
     with pytest.raises(train.UserError, match="parallel='zero3' is not one of ddp, fsdp"):
         train.check_config(dict(defaults(), parallel="zero3"))
     train.check_config(dict(defaults(), algo="sdpo", teacher="ema", parallel="fsdp"))
+
+
+def test_memory_estimate_gives_one_fsdp_rank_its_share(capsys):
+    """tests/bench/memory_estimate.py --parallel=fsdp --world_size=8: the fp32 state is 1/8 of one DDP rank's,
+    the bf16 student / teacher gathered in their phases; Qwen3-4B SDPO (config/sdpo_math.py) then fits an
+    80 GB GPU, where a DDP rank does not, and so does Qwen3-8B at micro_batch_size=4."""
+    from tests.bench import memory_estimate
+
+    def estimate(*argv):
+        memory_estimate.main(list(argv))
+        return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    ddp = estimate("--world_size=8", "--gpu_gb=80")
+    fsdp = estimate("--world_size=8", "--gpu_gb=80", "--parallel=fsdp")
+    assert fsdp["state_gb"] == pytest.approx(ddp["state_gb"] / 8, abs=0.1)
+    assert fsdp["rows_gb"]["fsdp_gathered_copies"] == pytest.approx(2 * fsdp["params"] / 1e9, abs=0.01)  # the EMA teacher
+    assert fsdp["rows_gb"]["fsdp_load"] == pytest.approx(8 * fsdp["params"] / 1e9, abs=0.01)  # student + teacher, fp32
+    assert ddp["needs_gb"] > 80 > fsdp["needs_gb"]
+    big = estimate("--world_size=8", "--gpu_gb=80", "--parallel=fsdp", "--model=qwen3-8b", "--micro_batch_size=4")
+    assert big["needs_gb"] < 80 < estimate("--world_size=8", "--gpu_gb=80", "--parallel=fsdp", "--model=qwen3-8b")["needs_gb"]

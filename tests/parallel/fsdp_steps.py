@@ -122,10 +122,31 @@ def all_gathers(ddp):
     return counts
 
 
+def mixed_precision_and_collapse(ddp):
+    """dtype=bfloat16: gathered weights are bf16, the shards fp32. A non-finite weight in one rank's shard
+    only: does optimizer_step stop every rank (a DTensor norm is the global one) or just that rank?"""
+    cfg = config("sft")
+    model = load_model("scratch", CPU, scratch=cfg)[0]
+    ddp.shard(model, param_dtype=torch.bfloat16)
+    with runtime.gathered(model):
+        gathered = sorted({str(p.dtype) for p in model.parameters()})
+    out = {"gathered_dtypes": gathered, "shard_dtypes": sorted({str(runtime.local(p).dtype) for p in model.parameters()})}
+    with torch.no_grad():
+        if ddp.rank == 1:
+            runtime.local(next(model.parameters())).view(-1)[0] = float("inf")
+    try:
+        train.optimizer_step(model, torch.optim.AdamW(model.parameters()), 1.0)
+        out["collapse"] = ddp.gather(None)
+    except train.Collapse as e:
+        out["collapse"] = ddp.gather(str(e))
+    return out
+
+
 if __name__ == "__main__":
     ddp = runtime.Dist("cpu", "fsdp")
     result = {algo: compare(algo, ddp) for algo in ("grpo", "sdpo")}
     result["all_gathers"] = all_gathers(ddp)
+    result["mixed_precision_and_collapse"] = mixed_precision_and_collapse(ddp)
     if ddp.master:
         with open(sys.argv[1], "w") as f:
             json.dump(result, f)
