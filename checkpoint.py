@@ -15,7 +15,8 @@ it is in metrics.py.)
                             so AutoModelForCausalLM, vLLM and lm-eval load it as it is) with
         trainer/            what resuming needs besides: state.json (iteration, stage, config, data
                             order), optimizer.safetensors (+ every rank's sampling RNG),
-                            teacher.safetensors, model_fp32.safetensors (when the export is bf16)
+                            teacher.safetensors, model_fp32.safetensors (when the export is bf16);
+                            with parallel=fsdp the same files, gathered to rank 0 first (gather_full)
       ckpt_good/            the last checkpoint whose eval passed the collapse guard (hard links); until
                             one passes, the initial model (a fresh run saves it before its first step)
 

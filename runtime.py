@@ -7,6 +7,7 @@ import contextlib
 import datetime
 import functools
 import os
+import re
 import types
 
 import torch
@@ -218,7 +219,7 @@ class Dist:
         try:
             yield
         except (RuntimeError, dist.DistError) as e:
-            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            first = re.sub(r"^\[[^\]]*\]\s*", "", (str(e).strip().splitlines() or [type(e).__name__])[0])  # ([gloo/...cc:537])
             if self.world == 1 or not (isinstance(e, dist.DistError) or any(s in first for s in PEER_LOST)):
                 raise
             raise UserError(f"rank {self.rank} of {self.world}: another rank stopped ({type(e).__name__}: "

@@ -4,6 +4,8 @@
 # python tests/bench/memory_estimate.py --config=config/sdpo_math.py) and the data:
 #   python data/dapo_math/prepare.py && python data/math500/prepare.py && python data/aime/prepare.py && python data/amc23/prepare.py
 #   python train.py config/sdpo_math.py --density=0.5
+# On 8 x 80 GB (FSDP2 sharding, ~62 GB per GPU estimated; --init_from=Qwen/Qwen3-8B --micro_batch_size=4 for the 8B):
+#   torchrun --nproc_per_node=8 train.py config/sdpo_math.py --parallel=fsdp
 out_dir = "out/sdpo_math"
 algo = "sdpo"
 # the model: Qwen3-4B, thinking off; Qwen3-8B's fp32 weights + grads + AdamW + teacher (164 GB) fit no single GPU

@@ -110,6 +110,10 @@ def test_fsdp_sdpo_run_equals_the_ddp_run(fsdp_sdpo, tmp_path):
         for k in set(got) & set(want):
             torch.testing.assert_close(got[k], want[k], rtol=1e-4, atol=1e-6)
     assert {k for k in load_file(os.path.join(fsdp_sdpo, "ckpt", "model.safetensors"))} == set(weights(tmp_path))
+    evals = [[r for r in read_log(d) if "eval_tag" in r] for d in (fsdp_sdpo, tmp_path)]  # student and EMA teacher scored
+    assert len(evals[0]) == 2 and any("teacher_mean" in k for k in evals[0][0])
+    assert [{k: v for k, v in r.items() if k.startswith("eval/")} for r in evals[0]] == [
+        {k: v for k, v in r.items() if k.startswith("eval/")} for r in evals[1]]
 
 
 def test_fsdp_resume_after_a_kill_continues_exactly(fsdp_sdpo, tmp_path):
