@@ -223,7 +223,7 @@ class Dist:
             if self.world == 1 or not (isinstance(e, dist.DistError) or any(s in first for s in PEER_LOST)):
                 raise
             raise UserError(f"rank {self.rank} of {self.world}: another rank stopped ({type(e).__name__}: "
-                            f"{first[:160]}): its own output says why; continue with --init_from=resume") from None
+                            f"{first.split('. ')[0][:160]}): its own output says why; continue with --init_from=resume") from None
 
 
 PEER_LOST = ("closed by peer", "reset by peer", "Broken pipe", "Connection refused", "NCCL communicator")
