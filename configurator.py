@@ -1,5 +1,6 @@
 """
-nanoGPT-style configuration, exec'd by train.py / eval.py / sample.py into their globals:
+nanoGPT-style configuration for train.py / eval.py / sample.py: their defaults are module globals, the
+values a run uses are the dict configure() returns (the globals stay the defaults):
 
     python train.py config/sdpo_toy.py --density=0.5 --out_dir=out/d05
 
@@ -173,9 +174,11 @@ def settings_in_file(path, current):
 
 
 def configure(scope, argv, source_file):
-    """Apply config files and --key=value overrides to `scope` (a script's globals)."""
+    """The config a run uses: the defaults in `scope` (a script's globals; never written to), then
+    the config files and --key=value overrides in `argv`, in order -> {key: value}."""
     helps = config_keys(scope, source_file)
     keys = {k: scope[k] for k in helps}
+    cfg = dict(keys)
     if "--help" in argv or "-h" in argv:
         width = max(map(len, keys))
         print(f"usage: python {source_file.rsplit('/', 1)[-1]} [config/file.py ...] [--key=value ...]\n")
@@ -184,9 +187,8 @@ def configure(scope, argv, source_file):
         raise SystemExit(0)
     for arg in argv:
         if not arg.startswith("--"):
-            current = {k: scope[k] for k in keys}  # a config file may read the current values
-            for k, v in settings_in_file(arg, current).items():
-                scope[k] = coerce(k, v, keys[k], arg)
+            for k, v in settings_in_file(arg, dict(cfg)).items():  # a config file may read the current values
+                cfg[k] = coerce(k, v, keys[k], arg)
         else:
             key, sep, raw = arg[2:].partition("=")
             if not sep:
@@ -196,5 +198,5 @@ def configure(scope, argv, source_file):
                 hint = f" (did you mean {', '.join(close)}?)" if close else " (see --help)"
                 raise SystemExit(f"error: unknown config key '{key}'{hint}")
             value = raw if isinstance(keys[key], str) else literal(raw)  # --out_dir=123 is a string
-            scope[key] = coerce(key, value, keys[key], arg)
-    return {k: scope[k] for k in keys}
+            cfg[key] = coerce(key, value, keys[key], arg)
+    return cfg

@@ -659,9 +659,9 @@ def make_loss_fn(*, algo, old_logp, ref_logp, advantage, pg_weight, distill_weig
 
 
 def _divergence(s, t, alpha):
-    """Divergence between row distributions given as log-probs s (student) and t (teacher),
-    reduced over the last dim. alpha=0: KL(q‖p), alpha=1: KL(p‖q), otherwise the generalized JSD
-    with mixture m = (1-alpha) p + alpha q: (1-alpha) KL(p‖m) + alpha KL(q‖m)."""
+    """Divergence between row distributions given as log-probs s (student, p = exp s) and t (teacher,
+    q = exp t), reduced over the last dim. alpha=0: forward KL(q‖p), alpha=1: reverse KL(p‖q), otherwise
+    the generalized JSD with mixture m = (1-alpha) p + alpha q: (1-alpha) KL(p‖m) + alpha KL(q‖m)."""
     if alpha == 0:
         return (t.exp() * (t - s)).sum(-1)
     if alpha == 1:
@@ -890,7 +890,7 @@ def optimizer_step(model, optimizer, grad_clip):
 
 # ----------------------------------------------------------------------------- eval
 @torch.no_grad()
-def evaluate(model, tokenizer, tasks, *, n, temperature, top_p, max_new_tokens, batch_prompts, generator,
+def sample_and_score(model, tokenizer, tasks, *, n, temperature, top_p, max_new_tokens, batch_prompts, generator,
              enable_thinking=False, success_threshold=1.0, progress=False, static=False, max_rows=0,
              math_checker="builtin"):
     """Sample n responses per task; return mean@n, pass@n, mean length, and per-task scores/texts."""
@@ -1019,7 +1019,7 @@ def fit_prompts(train_tasks, eval_tasks, model, tokenizer, cfg, log):
     return {name: fit(d, f"{name} (eval teacher prompts)", cap=limit, required=False) for name, d in demos.items() if d}
 
 
-def run_eval(run, cfg, ddp, tag):
+def score_and_log_eval_sets(run, cfg, ddp, tag):
     """Score every eval set (tasks sharded over ranks), log one record with a key per set (eval/<set>/
     mean@n, so wandb keeps every curve), and return {set: mean@n}, {set: mean response length}. An SDPO
     run also scores its teacher reading each prompt with the reference solution as the demonstration
@@ -1029,29 +1029,29 @@ def run_eval(run, cfg, ddp, tag):
     generators = [make_generator(cfg["seed"] + k + ddp.rank, ddp.device) for k in (1, 2)]  # the same samples each eval
     row, lengths, record = {}, {}, {"iter": state.iter, "eval_tag": tag}
     for name, tasks in run.eval_tasks.items():
-        acc, lengths[name] = score_set(run, cfg, ddp, run.model, tasks, generators[0])
+        acc, lengths[name] = score_across_ranks(run, cfg, ddp, run.model, tasks, generators[0])
         row[name] = acc[f"mean@{n}"]
         record.update({f"eval/{name}/{k}": v for k, v in acc.items()}, **{f"eval/{name}/mean_len": lengths[name]})
         if cfg["algo"] != "sdpo" or teacher is None:
             continue
         demos = run.eval_demos.get(name)
         if demos:
-            record[f"eval/{name}/teacher_mean@{n}"] = score_set(run, cfg, ddp, teacher, demos, generators[1])[0][f"mean@{n}"]
+            record[f"eval/{name}/teacher_mean@{n}"] = score_across_ranks(run, cfg, ddp, teacher, demos, generators[1])[0][f"mean@{n}"]
     run.log.record(record)
     run.log.say(f"eval @ iter {state.iter} ({tag}): " + ", ".join(f"{k} mean@{n} {v:.3f}" for k, v in row.items()))
     return row, lengths
 
 
-def score_set(run, cfg, ddp, model, tasks, generator):
+def score_across_ranks(run, cfg, ddp, model, tasks, generator):
     """mean@n / pass@n and the mean response length of `model` on one eval set, over every rank."""
     n = cfg["eval_n"]
     with make_autocast(ddp.device, cfg["dtype"])():
-        res = evaluate(model, run.tokenizer, tasks[ddp.rank::ddp.world], n=n, temperature=cfg["eval_temperature"],
-                       top_p=cfg["eval_top_p"], max_new_tokens=cfg["max_new_tokens"],
-                       batch_prompts=max(1, cfg["batch_prompts"] * cfg["group_size"] // n), generator=generator,
-                       enable_thinking=cfg["enable_thinking"], success_threshold=cfg["success_threshold"],
-                       static=use_static_rollout(cfg["static_rollout"], ddp.device), max_rows=cfg["gen_batch_size"],
-                       progress=ddp.master, math_checker=cfg["math_checker"])
+        res = sample_and_score(model, run.tokenizer, tasks[ddp.rank::ddp.world], n=n, temperature=cfg["eval_temperature"],
+                               top_p=cfg["eval_top_p"], max_new_tokens=cfg["max_new_tokens"],
+                               batch_prompts=max(1, cfg["batch_prompts"] * cfg["group_size"] // n), generator=generator,
+                               enable_thinking=cfg["enable_thinking"], success_threshold=cfg["success_threshold"],
+                               static=use_static_rollout(cfg["static_rollout"], ddp.device), max_rows=cfg["gen_batch_size"],
+                               progress=ddp.master, math_checker=cfg["math_checker"])
     per_rank = ddp.gather((res["scores"], res["mean_len"] * n * len(res["scores"])))
     scores = [row for rank_scores, _ in per_rank for row in rank_scores]
     return accuracy_summary(scores, threshold=cfg["success_threshold"]), sum(t for _, t in per_rank) / (n * len(scores))
@@ -1092,7 +1092,7 @@ def start_stage(run, cfg):
 def end_stage(run, cfg, ddp, stage, name):
     """A row of the accuracy matrix (every eval set), a model snapshot, a checkpoint."""
     state = run.state
-    row, lengths = run_eval(run, cfg, ddp, f"end of stage {stage + 1}")
+    row, lengths = score_and_log_eval_sets(run, cfg, ddp, f"end of stage {stage + 1}")
     passed = row if metrics.check_eval(state.guard, row, lengths, cfg, metrics.trained_sets(run.stages, name)) else None
     state.accuracy_matrix["stages"].append(name)
     state.accuracy_matrix["rows"].append([row[s] for s in run.eval_names])
@@ -1132,7 +1132,7 @@ def train_loop(run, cfg, ddp):
     step_memory, batch, my_tasks, stuck = StepMemory(), None, None, {}
     log_vocab = math.log(model.get_output_embeddings().weight.shape[0])  # the runaway-loss guard's scale
     if state.iter == 0:  # the initial model: the guard's first bests, and ckpt_good until an eval passes
-        base = run_eval(run, cfg, ddp, "start")[0]
+        base = score_and_log_eval_sets(run, cfg, ddp, "start")[0]
         state.accuracy_matrix = {"eval_sets": run.eval_names, "stages": [], "rows": [], "base": base}
         state.guard = metrics.Guard(best=dict(base))
         save_checkpoint(run, cfg, ddp, passed=base)
@@ -1183,7 +1183,7 @@ def train_loop(run, cfg, ddp):
             eval_due = not last and cfg["eval_interval"] and state.stage_iter % cfg["eval_interval"] == 0
             if eval_due:
                 run.log.samples(metrics.sample_rows(batch, my_tasks, cfg["group_size"], detokenize, state.iter))
-                row, lengths = run_eval(run, cfg, ddp, "periodic")
+                row, lengths = score_and_log_eval_sets(run, cfg, ddp, "periodic")
                 passed = row if metrics.check_eval(state.guard, row, lengths, cfg, trained) else None  # may stop
             if (eval_due and not cfg["save_interval"]) or (
                     cfg["save_interval"] and state.iter % cfg["save_interval"] == 0 and not last):
@@ -1257,8 +1257,8 @@ def _gathered_logits(parts, idx, max_elems):
 
 
 def _full_divergence_and_grad(s, t, p, alpha):
-    """Full-vocab divergence [n] of student log-probs s from teacher log-probs t (p = exp(s)) and
-    its gradient w.r.t. the student logits [n, V], in closed form. s is used as scratch."""
+    """Full-vocab divergence [n] of student log-probs s from teacher log-probs t (student p = exp(s),
+    teacher q = exp(t)) and its gradient w.r.t. the student logits [n, V], in closed form. s is scratch."""
     if alpha == 0:  # KL(q||p); grad p - q
         q = t.exp()
         d = (q * (t - s)).sum(1)

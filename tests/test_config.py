@@ -55,6 +55,7 @@ def test_int_accepted_for_float_and_words_are_strings():
     finally:
         os.remove(src)
     assert cfg == {"lr": 1.0, "name": "out/run1", "flag": True} and type(cfg["lr"]) is float
+    assert scope == {"lr": 0.1, "name": "x", "flag": False}  # the script's globals stay its defaults
 
 
 def test_config_file_with_unknown_key_or_wrong_type(tmp_path):

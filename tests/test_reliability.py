@@ -123,14 +123,14 @@ def test_a_crash_during_a_checkpoint_leaves_one_that_the_next_start_finds(finish
 
 # ----------------------------------------------------------------------------- 2. the collapse guard keeps a good model
 def faked_evals(monkeypatch, accs, lengths=None):
-    """train.run_eval runs as usual, then reports accs[k] (a mean@n per set) at its k-th call."""
-    real, calls = train.run_eval, iter(accs)
+    """train.score_and_log_eval_sets runs as usual, then reports accs[k] (a mean@n per set) at its k-th call."""
+    real, calls = train.score_and_log_eval_sets, iter(accs)
 
     def fake_eval(run, cfg, ddp, tag):
         row, real_lengths = real(run, cfg, ddp, tag)
         faked = next(calls)
         return {name: faked[name] if isinstance(faked, dict) else faked for name in row}, lengths or real_lengths
-    monkeypatch.setattr(train, "run_eval", fake_eval)
+    monkeypatch.setattr(train, "score_and_log_eval_sets", fake_eval)
 
 
 def saved_iter(ckpt):
