@@ -48,6 +48,7 @@ import sys
 import torch
 
 import checkpoint
+import runtime
 import models
 import train
 from configurator import check_seed, configure
@@ -873,8 +874,8 @@ def main(cfg):
         sets[name] = tasks[:cfg["max_prompts"]] if cfg["max_prompts"] > 0 else tasks
     out_path = cfg["out"] or (os.path.join(cfg["run_dir"], "eval.json") if run else "eval.json")
     stem = check_out(out_path)
-    dev = models.pick_device(cfg["device"])
-    autocast = models.make_autocast(dev, cfg["dtype"])
+    dev = runtime.pick_device(cfg["device"])
+    autocast = runtime.make_autocast(dev, cfg["dtype"])
 
     report = {"written_by": REPORT_MARK, "config": cfg, "model": model_path, "base_model": base_path or None, "eval_sets": names, "ks": ks}
     # both models are loaded (and the prompts fitted to both contexts) before anything is scored

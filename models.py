@@ -1,9 +1,8 @@
 """
-Any HF causal LM, the way train.py needs it, and where it runs: loaded (or a toy model built from
-scratch), called with a KV cache (and on CUDA through a static cache and a compiled, CUDA-graphed
-decode step), its decoder body and LM head taken apart for the fused loss (the hidden states that
-predict each response token, with the teacher's shared-prompt prefill), checked once at load, its
-EOS ids and its prompts; the device, autocast, and torchrun's ranks (Dist).
+Any HF causal LM, the way train.py needs it: loaded (or a toy model built from scratch), checked
+once at load, dropout off, its decoder body and LM head taken apart for the fused loss (the hidden
+states that predict each response token, with the teacher's shared-prompt prefill), its EOS ids and
+its prompts. Decoding with a KV cache is decoding.py; the device, autocast and ranks are runtime.py.
 
 train.py never asks the model for its training logits: it runs the decoder body, keeps the final
 hidden states h and does the LM head itself, in chunks (models.lm_head). That is only right if the
@@ -14,30 +13,25 @@ line, rather than trained with silently wrong log-probs.
 """
 import contextlib
 import copy
-import datetime
 import functools
 import inspect
 import math
 import os
-from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
-from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, Qwen2Config, Qwen2ForCausalLM, StaticCache
+from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 from huggingface_hub.utils import logging as hf_hub_logging
 from transformers.utils import logging as hf_logging
 
 from configurator import UserError
 from data import tasks as data_tasks
+from decoding import CACHE, new_cache
 
 # progress bars and hub retry warnings would bury the one-line errors and the training log
 hf_logging.disable_progress_bar()
 hf_logging.set_verbosity_error()
 hf_hub_logging.set_verbosity_error()
 
-# the forward takes its KV cache as `cache` in newer transformers (5.2x) and as `past_key_values` in
-# older ones (5.17 silently ignores cache=): the name is read off the installed version's signature
-CACHE = "cache" if "cache" in inspect.signature(Qwen2ForCausalLM.forward).parameters else "past_key_values"
 SOFTCAP_FIELDS = ("final_logit_softcapping", "logits_soft_cap", "output_logit_soft_cap")
 
 
@@ -79,144 +73,6 @@ def disable_dropout(model):
             if "drop" in name.lower() and isinstance(value, float):
                 setattr(config, name, 0.0)
     return model
-
-
-def forward_with_cache(model, ids, mask, position, cache, **kwargs):
-    """The model's last-position logits [rows, V], reading and extending the KV cache (position None:
-    an ALiBi model, whose positions follow the mask). Also the decode step that static_rollout compiles."""
-    positions = {} if position is None else {"position_ids": position}
-    return model(input_ids=ids, attention_mask=mask, **positions, **{CACHE: cache}, use_cache=True, **kwargs).logits[:, -1]
-
-
-def bucket(n, per_octave=4, smallest=64):
-    """n rounded up to one of `per_octave` sizes per power of two (at least `smallest`): a run
-    sees a handful of distinct sizes, and wastes at most 1/per_octave of each."""
-    if n <= smallest:
-        return smallest
-    step = max(1, (1 << (n.bit_length() - 1)) // per_octave)
-    return -(-n // step) * step
-
-
-class _StoresInOneDtype:
-    """A KV cache that stores keys and values in kv_dtype (the autocast dtype; None: as they come).
-    Under autocast RoPE returns fp32 keys (bf16 q/k times fp32 cos/sin) beside bf16 values;
-    attention casts both to bf16 anyway, so storing bf16 changes no number and halves the keys'
-    memory. Without it transformers 5.17 keeps both in fp32 and its StaticCache then cannot take a
-    bf16 value (index_copy_ dtype mismatch: eager, deterministic mode, or dynamo's eager fallback)."""
-    kv_dtype = None
-
-    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        if self.kv_dtype is not None:
-            key_states, value_states = key_states.to(self.kv_dtype), value_states.to(self.kv_dtype)
-        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
-
-
-class KVCache(_StoresInOneDtype, DynamicCache):
-    pass
-
-
-class StaticKVCache(_StoresInOneDtype, StaticCache):
-    pass
-
-
-def autocast_dtype(dev):
-    """The dtype autocast computes in on dev's device type right now, or None outside autocast."""
-    return torch.get_autocast_dtype(dev.type) if torch.is_autocast_enabled(dev.type) else None
-
-
-def new_cache(model, dev):
-    """An empty dynamic KV cache for model, storing in the current autocast dtype (_StoresInOneDtype).
-    Built from the model's config, as its own generate does: the config names the layer kinds
-    (sliding-window, sparse-attention indexers, ...) that a plain DynamicCache gets wrong."""
-    cache = KVCache(config=model.config)
-    cache.kv_dtype = autocast_dtype(dev)
-    return cache
-
-
-# the one static cache alive ({shape key: cache}, at most one entry: a new shape frees the previous
-# buffers first) and the compiled decode step per device kind
-_static_caches, _compiled_steps = {}, {}
-
-
-def free_static_cache():
-    """Drop the static cache (its memory returns to the allocator): before a train step it does not
-    fit beside. The next rollout allocates a new one (on CUDA its graphs re-record, no recompile)."""
-    _static_caches.clear()
-
-
-def static_cache_bytes():
-    return sum(t.numel() * t.element_size() for c in _static_caches.values() for layer in c.layers
-               for t in (getattr(layer, "keys", None), getattr(layer, "values", None)) if t is not None)
-
-
-def static_cache_fits(*, allocated, step_extra, total, fill=0.9):
-    """Whether the static cache (part of `allocated`, the bytes in use now) may stay alive through a
-    train step that last time allocated step_extra bytes above its start: the sum must fit in `fill`
-    of the GPU (allocator slack). Unknown step_extra (the first step): it does not."""
-    return step_extra is not None and allocated + step_extra <= fill * total
-
-
-@dataclass
-class StepMemory:
-    """On CUDA, around each train step: free the static cache first unless it fits beside the step
-    (static_cache_fits, from the previous step's measured peak), then measure this step's peak."""
-    step_extra: int = None  # bytes the last train step allocated above what was in use at its start
-    start: int = 0
-
-    def before_step(self, dev):
-        if dev.type != "cuda":
-            return
-        if _static_caches and not static_cache_fits(allocated=torch.cuda.memory_allocated(dev), step_extra=self.step_extra,
-                                                    total=torch.cuda.get_device_properties(dev).total_memory):
-            free_static_cache()
-        torch.cuda.reset_peak_memory_stats(dev)
-        self.start = torch.cuda.memory_allocated(dev)
-
-    def after_step(self, dev):
-        if dev.type == "cuda":
-            self.step_extra = torch.cuda.max_memory_allocated(dev) - self.start
-
-
-def static_decoding(model, prefill_cache, mask, max_new_tokens):
-    """Move a prefilled KV cache into a StaticCache; return (cache, attention mask, step), or None
-    for a model with sliding-window layers (their prefill cache holds only the window).
-
-    The cache length is bucketed, and the live cache is reused while the rows match and it is long
-    enough (lengths only grow), so a run allocates and compiles a handful of shapes, and at most one
-    cache is alive at a time. The mask covers the whole cache (the causal mask hides the unwritten
-    positions, and the ones past a short batch's end are never reached): one shape for every step."""
-    rows, width = mask.shape
-    if any(getattr(layer, "is_sliding", False) for layer in prefill_cache.layers):
-        return None  # a sliding-window prefill keeps only the window: decode on the dynamic cache
-    k = prefill_cache.layers[0].keys
-    key = (rows, len(prefill_cache.layers), k.shape[1], k.shape[3], k.dtype, k.device)
-    old = next(iter(_static_caches.items()), None)
-    if old is not None and old[0][0] == key and old[0][1] >= width + max_new_tokens:
-        (_, length), cache = old
-    else:
-        free_static_cache()  # before allocating the new one: never two alive
-        length = bucket(width + max_new_tokens)
-        cache = StaticKVCache(config=model.config, max_cache_len=length)
-        cache.kv_dtype = prefill_cache.kv_dtype
-        _static_caches[(key, length)] = cache
-    cache.reset()
-    for static_layer, layer in zip(cache.layers, prefill_cache.layers):
-        static_layer.update(layer.keys, layer.values)  # writes positions 0..width-1
-    mask = torch.cat([mask, mask.new_ones(rows, length - width)], dim=1)
-    cuda = mask.device.type == "cuda"
-    if cuda not in _compiled_steps:  # CUDA: capture each step shape once as a CUDA graph
-        _compiled_steps[cuda] = torch.compile(forward_with_cache, mode="reduce-overhead" if cuda else "default")
-
-    def step(*args):
-        if cuda:  # the previous step's graph outputs are consumed; let the next replay reuse them
-            torch.compiler.cudagraph_mark_step_begin()
-        return _compiled_steps[cuda](*args)
-    return cache, mask, step
-
-
-def use_static_rollout(setting, dev):
-    """static_rollout 'auto' means on for CUDA (CUDA graphs pay off there) and off on a CPU."""
-    return setting == "on" or (setting == "auto" and dev.type == "cuda")
 
 
 def decoder_body(model):
@@ -551,59 +407,6 @@ def load_model(init, dev, dtype=torch.float32, scratch=None, with_tokenizer=True
     return model, tokenizer
 
 
-# ----------------------------------------------------------------------------- where it runs
-def pick_device(name):
-    """'auto' (CUDA when there is one), 'cpu', 'cuda' or 'cuda:N'; anything else is one line."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        dev = torch.device(name)
-    except RuntimeError:
-        dev = None
-    if dev is None or dev.type not in ("cpu", "cuda"):
-        raise UserError(f"device={name!r} is not supported: use 'auto', 'cpu', 'cuda' or 'cuda:N'")
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise UserError(f"device={name!r} but this torch sees no CUDA GPU: use --device=cpu (or install a CUDA build)")
-    return dev
-
-
-def amp_dtype(dev, dtype_name):
-    """The autocast dtype: bf16 / fp16 on CUDA (params and optimizer stay fp32), None for fp32."""
-    return {"auto": torch.bfloat16 if dev.type == "cuda" else None, "float32": None,
-            "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype_name]
-
-
-def make_autocast(dev, dtype_name):
-    """A context factory: torch.autocast at amp_dtype, or a no-op."""
-    amp = amp_dtype(dev, dtype_name)
-    return functools.partial(torch.autocast, dev.type, dtype=amp) if amp else contextlib.nullcontext
-
-
-@functools.lru_cache(maxsize=None)
-def has_fp32_out_gemm(device_type):
-    """Whether torch.mm / addmm take bf16 inputs with out_dtype=float32 here (CUDA in recent torch;
-    not the CPU): one GEMM that accumulates and writes fp32, no bf16 product to copy or add."""
-    try:
-        a = torch.ones(2, 2, dtype=torch.bfloat16, device=device_type)
-        out = torch.mm(a, a, out_dtype=torch.float32)
-        torch.addmm(out, a, a, out_dtype=torch.float32, out=out)
-        return out.dtype == torch.float32 and bool((out == 4).all())
-    except (RuntimeError, NotImplementedError, TypeError):
-        return False
-
-
-def fp32_out_mm(out, a, b, accumulate):
-    """out (+)= a @ b in one fp32-output GEMM (bf16 a, b; fp32 out) where torch has it; False (nothing
-    done) where it does not, and the caller takes the bf16 product instead."""
-    if not has_fp32_out_gemm(out.device.type):
-        return False
-    if accumulate:
-        torch.addmm(out, a, b, out_dtype=out.dtype, out=out)
-    else:
-        torch.mm(a, b, out_dtype=out.dtype, out=out)
-    return True
-
-
 def enable_grad_checkpointing(model):
     """Recompute each decoder block in the backward instead of keeping its activations. Only
     forwards with grad recompute: rollouts and teacher forwards (no grad) keep their KV cache."""
@@ -615,118 +418,3 @@ def frozen_copy(model):
     m = copy.deepcopy(model).eval()
     m.requires_grad_(False)
     return m
-
-
-RENDEZVOUS_TIMEOUT_S = 300  # for the ranks to meet at start-up (env NANOSDPO_RENDEZVOUS_TIMEOUT overrides it)
-COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=30)  # torch's default, for evals and checkpoint writes on one rank
-
-
-def env_int(name, default):
-    """An integer environment variable set by torchrun (default when unset); anything else is one line."""
-    raw = os.environ.get(name, "").strip()
-    if not raw:
-        return default
-    try:
-        return int(raw)
-    except ValueError:
-        raise UserError(f"environment variable {name}={raw!r} is not an integer (torchrun sets it: launch with "
-                        "torchrun, or unset it for one process)") from None
-
-
-def launch_problem(rank, world):
-    """Why RANK / WORLD_SIZE / MASTER_* do not describe a torchrun launch, or None."""
-    if world < 1 or not 0 <= rank < world:
-        return f"RANK={rank} with WORLD_SIZE={world} (unset: 1): a rank must be in [0, WORLD_SIZE)"
-    missing = [v for v in ("MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK") if world > 1 and not os.environ.get(v, "").strip()]
-    if missing:
-        return f"WORLD_SIZE={world} is set but {', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not"
-    if world > 1 and not 0 < env_int("MASTER_PORT", 0) < 65536:
-        return f"MASTER_PORT={os.environ['MASTER_PORT']} is not a port number"
-    return None
-
-
-class Dist:
-    """torchrun's process group, or a single process. Ranks hold whole prompt groups; they add
-    token counts (global_sum) and gradients (all_reduce_grads); rank 0 writes. The environment
-    is checked first (one line for a launch that is not torchrun's), and ranks that do not all
-    turn up within RENDEZVOUS_TIMEOUT_S are one line, not a 30-minute hang."""
-
-    def __init__(self, device_name):
-        self.rank, self.world = env_int("RANK", 0), env_int("WORLD_SIZE", 1)
-        problem = launch_problem(self.rank, self.world)
-        if problem:
-            raise UserError(f"{problem}: launch several processes with torchrun --nproc_per_node=N train.py ..., "
-                            "or unset RANK / WORLD_SIZE for one")
-        self.device = pick_device(device_name)
-        if self.world > 1:
-            if self.device.type == "cuda":
-                self.device = torch.device("cuda", env_int("LOCAL_RANK", 0))
-                torch.cuda.set_device(self.device)
-            wait = env_int("NANOSDPO_RENDEZVOUS_TIMEOUT", RENDEZVOUS_TIMEOUT_S)
-            try:
-                dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo",
-                                        timeout=datetime.timedelta(seconds=wait))
-            except Exception as e:  # DistStoreError (a timeout), a refused connection, a port in use, ...
-                first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-                raise UserError(f"rank {self.rank} of {self.world} could not meet the others at "
-                                f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']} within {wait} s "
-                                f"({type(e).__name__}: {first[:200]}): start every rank, with torchrun") from None
-            if hasattr(dist.distributed_c10d, "_set_pg_timeout"):  # the short timeout was for meeting only
-                dist.distributed_c10d._set_pg_timeout(COLLECTIVE_TIMEOUT)
-        self.master = self.rank == 0
-
-    def check_same(self, value, what):
-        """Stop every rank with one line when `value` (a fingerprint) differs between ranks."""
-        values = self.gather(value)
-        if len(set(values)) > 1:
-            differ = [r for r, v in enumerate(values) if v != values[0]]
-            raise UserError(f"{what} differ between ranks (rank 0 and rank{'s' if len(differ) > 1 else ''} "
-                            f"{', '.join(map(str, differ))}): every rank must read the same files")
-
-    def global_sum(self, numbers):
-        if self.world == 1:
-            return list(numbers)
-        t = torch.tensor(numbers, dtype=torch.float64, device=self.device)
-        dist.all_reduce(t)
-        return [int(x) if float(x).is_integer() else float(x) for x in t.tolist()]
-
-    def all_reduce_grads(self, model, bucket_elems=1 << 24):
-        """Sum gradients over ranks (each rank's loss is already / the global token count). Small
-        gradients travel in flat buckets of at most bucket_elems elements (64 MB in fp32), big
-        ones on their own, so no full-model flat copy is ever made."""
-        if self.world == 1:
-            return
-        params = list(model.parameters())
-        for p in params:
-            if p.grad is None:  # this rank had no signal for it: contribute zeros
-                p.grad = torch.zeros_like(p)
-        bucket, size = [], 0
-        for p in params:
-            if bucket and size + p.numel() > bucket_elems:
-                self._all_reduce(bucket)
-                bucket, size = [], 0
-            bucket.append(p.grad)
-            size += p.numel()
-        self._all_reduce(bucket)
-
-    @staticmethod
-    def _all_reduce(grads):
-        if len(grads) == 1:
-            dist.all_reduce(grads[0])
-            return
-        flat = torch._utils._flatten_dense_tensors(grads)
-        dist.all_reduce(flat)
-        for g, reduced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
-            g.copy_(reduced)
-
-    def gather(self, obj):
-        """A list of every rank's obj (in rank order)."""
-        if self.world == 1:
-            return [obj]
-        out = [None] * self.world
-        dist.all_gather_object(out, obj)
-        return out
-
-    def barrier(self):
-        if self.world > 1:
-            dist.barrier()

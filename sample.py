@@ -11,6 +11,7 @@ max_new_tokens in the model's context left out and counted.
 """
 import sys
 
+import runtime
 import models
 import train
 from configurator import check_seed, configure
@@ -53,7 +54,7 @@ def main(cfg):
     tasks = read_prompts(cfg["prompt"], cfg["prompt_file"], cfg["system"])
     if not tasks:
         raise train.UserError(f"prompt_file {cfg['prompt_file']} holds no prompts (one per line, or task JSON lines)")
-    dev = models.pick_device(cfg["device"])
+    dev = runtime.pick_device(cfg["device"])
     model, tokenizer = models.load_model(cfg["init_from"], dev)
     model.eval()
     # as train.py: prompts that leave no room for max_new_tokens in the context are left out, and counted

@@ -85,10 +85,11 @@ import metrics
 from configurator import UserError, check_seed, check_template, require
 from metrics import Collapse, accuracy_summary
 from data import checkers, tasks as task_files
-from models import (Dist, StepMemory, amp_dtype, context_length, disable_dropout, enable_grad_checkpointing, eval_mode,
-                    fit_prompt, fit_tasks, forward_with_cache, fp32_out_mm, frozen_copy, has_chat_template, lm_head,
-                    load_model, make_autocast, new_cache, pad_batch, prompt_budget, prompt_ids, response_hidden,
-                    static_decoding, stop_token_ids, takes_position_ids, use_static_rollout)
+from decoding import StepMemory, forward_with_cache, new_cache, static_decoding, use_static_rollout
+from models import (context_length, disable_dropout, enable_grad_checkpointing, eval_mode, fit_prompt, fit_tasks,
+                    frozen_copy, has_chat_template, lm_head, load_model, pad_batch, prompt_budget, prompt_ids,
+                    response_hidden, stop_token_ids, takes_position_ids)
+from runtime import Dist, amp_dtype, fp32_out_mm, make_autocast
 from teacher import Teacher
 
 # ----------------------------------------------------------------------------- defaults

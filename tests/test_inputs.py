@@ -14,6 +14,7 @@ import torch
 
 from conftest import ROOT, TINY, defaults, run_train
 
+import runtime
 import models
 import train
 from configurator import UserError, config_keys
@@ -248,7 +249,7 @@ def test_a_launch_that_is_not_torchruns_is_one_line(monkeypatch, env, expect):
     for key, value in env.items():
         monkeypatch.setenv(key, value)
     with pytest.raises(UserError) as e:
-        models.Dist("cpu")
+        runtime.Dist("cpu")
     assert expect in str(e.value) and "torchrun" in str(e.value)
 
 

@@ -362,7 +362,7 @@ def test_fp32_output_gemms_take_the_exact_products_of_the_bf16_inputs(monkeypatc
     CPU has no such kernel, so it is emulated here (an fp32 product of the bf16 values, which is what
     the GPU kernel computes); the student log-probs then equal the fp32 reference on bf16-rounded
     inputs, which the bf16-product fallback does not."""
-    import models
+    import runtime
     real_mm, real_addmm, calls = torch.mm, torch.addmm, []
 
     def mm(a, b, *args, out_dtype=None, **kw):
@@ -381,10 +381,10 @@ def test_fp32_output_gemms_take_the_exact_products_of_the_bf16_inputs(monkeypatc
     kw = dict(alpha=0.5, distill="topk", topk=7, tail=True, temperature=1.0)
     rounded = dict(C, h=C["h"].bfloat16().float(), W=C["W"].bfloat16().float())
     _, ghn, gwn, sn = run(naive_token_loss, rounded, grpo_distill_loss_fn(rounded, "topk"), **kw)
-    assert not models.has_fp32_out_gemm("cpu")  # today's CPU torch: the fallback is what CPU runs use
+    assert not runtime.has_fp32_out_gemm("cpu")  # today's CPU torch: the fallback is what CPU runs use
     _, _, _, s_fallback = run(fused_token_loss, C, grpo_distill_loss_fn(C, "topk"), chunk_size=8,
                               matmul_dtype=torch.bfloat16, **kw)
-    monkeypatch.setattr(models, "has_fp32_out_gemm", lambda device_type: True)
+    monkeypatch.setattr(runtime, "has_fp32_out_gemm", lambda device_type: True)
     monkeypatch.setattr(torch, "mm", mm)
     monkeypatch.setattr(torch, "addmm", addmm)
     _, gh, gw, s = run(fused_token_loss, C, grpo_distill_loss_fn(C, "topk"), chunk_size=8,

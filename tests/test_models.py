@@ -10,6 +10,7 @@ import transformers
 
 from conftest import TINY, read_log, run_train
 
+import decoding
 import models
 import train
 
@@ -165,12 +166,12 @@ def test_a_sliding_window_model_decodes_on_the_dynamic_cache_when_static_is_aske
     StaticCache cannot continue from: static=True then decodes on the dynamic cache, the same rows."""
     real_compile = torch.compile
     monkeypatch.setattr(torch, "compile", lambda fn, mode=None: real_compile(fn, backend="eager"))
-    monkeypatch.setattr(models, "_compiled_steps", {})
-    monkeypatch.setattr(models, "_static_caches", {})
+    monkeypatch.setattr(decoding, "_compiled_steps", {})
+    monkeypatch.setattr(decoding, "_static_caches", {})
     model = build("mistral")
     prompts = [[5, 6, 7, 8, 9, 10], [11, 12]]
     runs = [train.generate(model, prompts, group_size=2, max_new_tokens=6, temperature=1.0, top_p=1.0, eos_ids=[2], pad_id=0,
                            generator=torch.Generator().manual_seed(0), static=static) for static in (False, True)]
-    assert runs[1].response_ids == runs[0].response_ids and not models._static_caches
-    cache = models.new_cache(model, torch.device("cpu"))
+    assert runs[1].response_ids == runs[0].response_ids and not decoding._static_caches
+    cache = decoding.new_cache(model, torch.device("cpu"))
     assert all(layer.is_sliding for layer in cache.layers)  # the config's layer kinds

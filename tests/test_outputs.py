@@ -12,6 +12,7 @@ from safetensors import safe_open
 from conftest import defaults
 
 import metrics
+import runtime
 import models
 import train
 
@@ -42,7 +43,7 @@ def test_ckpt_is_a_clean_hf_folder_in_save_dtype_and_resumes_exactly(toy_data, t
     assert next(loaded.parameters()).dtype == getattr(torch, save_dtype)
     # resuming starts from the fp32 master weights, not from the (rounded) export
     with contextlib.ExitStack() as stack:
-        run = train.setup(dict(cfg, init_from="resume", max_iters=3), models.Dist("cpu"), stack)
+        run = train.setup(dict(cfg, init_from="resume", max_iters=3), runtime.Dist("cpu"), stack)
         with open(ckpt / "trainer" / "state.json") as f:
             assert json.load(f)["iter"] == run.state.iter == 2
         exported = dict(loaded.named_parameters())

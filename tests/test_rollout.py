@@ -4,6 +4,7 @@ import torch
 
 from conftest import defaults
 
+import decoding
 import models
 import teacher
 import train
@@ -21,7 +22,7 @@ def eager_compile(monkeypatch):
     """torch.compile through the eager backend (dynamo traces the step, no minutes of CPU codegen)."""
     real_compile = torch.compile
     monkeypatch.setattr(torch, "compile", lambda fn, mode=None: real_compile(fn, backend="eager"))
-    monkeypatch.setattr(models, "_compiled_steps", {})
+    monkeypatch.setattr(decoding, "_compiled_steps", {})
 
 
 def test_response_mask_keeps_first_eos_once_and_nothing_after():
@@ -89,7 +90,7 @@ def test_static_cache_decoding_equals_the_dynamic_cache(monkeypatch):
     runs = [train.generate(model, prompts, group_size=3, max_new_tokens=10, temperature=1.5, top_p=0.9, eos_ids=[19],
                            pad_id=0, generator=torch.Generator().manual_seed(3), static=static)
             for static in (False, True, True)]  # the second static call reuses the cache buffers
-    assert models._compiled_steps, "the static path went through torch.compile"
+    assert decoding._compiled_steps, "the static path went through torch.compile"
     for out in runs[1:]:
         assert out.response_ids == runs[0].response_ids
         for a, b in zip(out.old_logprobs, runs[0].old_logprobs):
@@ -137,7 +138,7 @@ def test_under_autocast_every_kv_cache_is_in_the_autocast_dtype(monkeypatch, det
     deterministic decode step. Rollout (dynamic and static) and teacher caches store bf16, and the
     static path samples what the dynamic one does."""
     eager_compile(monkeypatch)
-    monkeypatch.setattr(models, "_static_caches", {})
+    monkeypatch.setattr(decoding, "_static_caches", {})
     model = tiny_model(vocab=96)
     prompts = [[1, 4, 5, 6, 7], [8, 9], [10]]
     with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -147,7 +148,7 @@ def test_under_autocast_every_kv_cache_is_in_the_autocast_dtype(monkeypatch, det
     assert runs[1].response_ids == runs[0].response_ids
     for a, b in zip(runs[1].old_logprobs, runs[0].old_logprobs):
         torch.testing.assert_close(a, b, atol=1e-3, rtol=0)
-    (static_cache,) = models._static_caches.values()
+    (static_cache,) = decoding._static_caches.values()
     assert {t.dtype for layer in static_cache.layers for t in (layer.keys, layer.values)} == {torch.bfloat16}
     made, real = [], models.new_cache
     monkeypatch.setattr(models, "new_cache", lambda model, dev: made.append(real(model, dev)) or made[-1])
@@ -159,8 +160,8 @@ def test_under_autocast_every_kv_cache_is_in_the_autocast_dtype(monkeypatch, det
     assert len(made) == 2  # the rollout's and the teacher's
     assert {t.dtype for cache in made for layer in cache.layers for t in (layer.keys, layer.values)} == {torch.bfloat16}
     with torch.no_grad():  # outside autocast the cache keeps the model's own dtype
-        cache = models.new_cache(model, torch.device("cpu"))
-        models.forward_with_cache(model, torch.tensor([[1, 4]]), torch.ones(1, 2, dtype=torch.long), None, cache)
+        cache = decoding.new_cache(model, torch.device("cpu"))
+        decoding.forward_with_cache(model, torch.tensor([[1, 4]]), torch.ones(1, 2, dtype=torch.long), None, cache)
     assert cache.layers[0].keys.dtype == cache.layers[0].values.dtype == torch.float32
 
 
@@ -169,31 +170,31 @@ def test_at_most_one_static_cache_is_alive(monkeypatch):
     frees the live cache before allocating its own, a shorter one reuses it, and free_static_cache
     (before a train step it does not fit beside) drops it."""
     eager_compile(monkeypatch)
-    monkeypatch.setattr(models, "_static_caches", {})
+    monkeypatch.setattr(decoding, "_static_caches", {})
     model = tiny_model(vocab=96)
 
     def rollout(prompts, max_new_tokens):
         train.generate(model, prompts, group_size=2, max_new_tokens=max_new_tokens, temperature=1.0, top_p=1.0,
                        eos_ids=[2], pad_id=0, generator=torch.Generator().manual_seed(5), static=True)
-        assert len(models._static_caches) == 1
-        return next(iter(models._static_caches.values()))
+        assert len(decoding._static_caches) == 1
+        return next(iter(decoding._static_caches.values()))
 
     first = rollout([[1, 4, 5], [8, 9]], 8)
     assert rollout([[1, 4], [8]], 8) is first  # shorter: the same buffers
     longer = rollout([[1, 4, 5], [8, 9]], 70)
     assert longer is not first and longer.layers[0].keys.shape[2] >= 73
-    assert models.static_cache_bytes() == sum(t.numel() * t.element_size() for layer in longer.layers
+    assert decoding.static_cache_bytes() == sum(t.numel() * t.element_size() for layer in longer.layers
                                               for t in (layer.keys, layer.values))
-    models.free_static_cache()
-    assert not models._static_caches and models.static_cache_bytes() == 0
+    decoding.free_static_cache()
+    assert not decoding._static_caches and decoding.static_cache_bytes() == 0
 
 
 def test_the_static_cache_stays_through_a_train_step_only_where_it_fits():
     gb = 10 ** 9
-    assert models.static_cache_fits(allocated=80 * gb, step_extra=40 * gb, total=141 * gb)
-    assert not models.static_cache_fits(allocated=128 * gb, step_extra=35 * gb, total=141 * gb)  # the paper-scale case
-    assert not models.static_cache_fits(allocated=1 * gb, step_extra=None, total=141 * gb)  # first step: not measured yet
-    memory = models.StepMemory()
+    assert decoding.static_cache_fits(allocated=80 * gb, step_extra=40 * gb, total=141 * gb)
+    assert not decoding.static_cache_fits(allocated=128 * gb, step_extra=35 * gb, total=141 * gb)  # the paper-scale case
+    assert not decoding.static_cache_fits(allocated=1 * gb, step_extra=None, total=141 * gb)  # first step: not measured yet
+    memory = decoding.StepMemory()
     memory.before_step(torch.device("cpu"))  # a CPU run keeps its cache (no device memory to run out of)
     memory.after_step(torch.device("cpu"))
     assert memory.step_extra is None

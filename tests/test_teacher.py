@@ -10,6 +10,7 @@ import torch
 from conftest import TINY, defaults, read_log, run_train
 from test_train import hand_made_batch, tiny_setup
 
+import runtime
 import models
 import train
 
@@ -29,7 +30,7 @@ def test_teacher_init_is_the_teacher(toy_data, tmp_path):
                n_embd=32, block_size=128, out_dir=str(tmp_path / "run"), device="cpu", dataset="toy/add",
                data_dir=toy_data, tokenizer_path=os.path.join(toy_data, "toy", "tokenizer"))
     with contextlib.ExitStack() as stack:
-        run = train.setup(cfg, models.Dist("cpu"), stack)
+        run = train.setup(cfg, runtime.Dist("cpu"), stack)
         for a, b in zip(run.teacher.own.parameters(), other.parameters()):
             torch.testing.assert_close(a, b)
         assert not torch.equal(next(run.model.parameters()), next(other.parameters()))

@@ -47,6 +47,7 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)  # as a script: the repo root on sys.path, for train.py and tests.*
+import runtime  # noqa: E402
 import models  # noqa: E402
 import train  # noqa: E402
 from configurator import config_keys  # noqa: E402
@@ -69,7 +70,7 @@ class Runner:
 
     def __init__(self, algo, base, tokenizer, cfg, dev):
         self.algo, self.tokenizer, self.dev = algo, tokenizer, dev
-        self.autocast = models.make_autocast(dev, cfg["dtype"])
+        self.autocast = runtime.make_autocast(dev, cfg["dtype"])
         self.cfg = dict(cfg, algo=algo)
         train.check_config(self.cfg)
         self.model = copy.deepcopy(base).train()
@@ -213,7 +214,7 @@ def main():
     cfg = dict(defaults(), init_from=args.init_from, batch_prompts=args.batch_prompts, group_size=args.group_size,
                max_new_tokens=args.max_new_tokens, seed=args.seed, success_threshold=args.success_threshold,
                micro_batch_size=args.micro_batch_size, dataset=args.dataset)
-    dev = models.pick_device(args.device)
+    dev = runtime.pick_device(args.device)
     random.seed(args.seed)
     torch.manual_seed(args.seed)
     try:
@@ -282,7 +283,7 @@ def main():
     gen_model = copy.deepcopy(base).eval()
     prompts = [train.prompt_ids(tokenizer, t["messages"]) for t in batches[0]]  # the first timed iteration's prompts
     plens = sorted(len(p) for p in prompts)
-    gb = bench_generate(gen_model, tokenizer, prompts, args, dev, models.make_autocast(dev, cfg["dtype"]))
+    gb = bench_generate(gen_model, tokenizer, prompts, args, dev, runtime.make_autocast(dev, cfg["dtype"]))
     speedup = gb["hf"]["s"] / gb["rollout"]["s"]
     print(f"\ngeneration, {args.batch_prompts} prompts (those of the first timed iteration; prompt lengths "
           f"{plens[0]}..{plens[-1]}, median {plens[len(plens) // 2]}) x {args.group_size} samples, "

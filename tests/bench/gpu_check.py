@@ -85,6 +85,8 @@ import torch  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)  # as a script: the repo root on sys.path, for train.py and tests.*
+import decoding  # noqa: E402
+import runtime  # noqa: E402
 import models  # noqa: E402
 import train  # noqa: E402
 from tests.bench import bench_loss  # noqa: E402
@@ -158,8 +160,8 @@ def compiled_graphs():
 def reset_compile():
     """A fresh torch.compile state: the static path compiles as it would in a new process."""
     torch._dynamo.reset()
-    models._compiled_steps.clear()
-    models._static_caches.clear()
+    decoding._compiled_steps.clear()
+    decoding._static_caches.clear()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
 
@@ -261,7 +263,7 @@ def check_static_vs_dynamic(C):
         (f1, d1), (f2, d2) = compare(first, dyn), compare(again, dyn)
         tol = 1e-3 if not C.cpu else 1e-5
         stopped = sum(not t for t in dyn.truncated)
-        ok = f1 == 1.0 and f2 == 1.0 and max(d1, d2) <= tol and bool(models._compiled_steps)
+        ok = f1 == 1.0 and f2 == 1.0 and max(d1, d2) <= tol and bool(decoding._compiled_steps)
         C.add("a", name, "PASS" if ok else "FAIL",
               f"{len(dyn.response_ids)} rows x {max_new} tokens ({stopped} stop at an EOS): identical rows "
               f"{f1:.0%} / {f2:.0%} (first / second static call), max abs log-prob diff {max(d1, d2):.1e} (tol {tol:g}); "
@@ -271,10 +273,10 @@ def check_static_vs_dynamic(C):
 
     name = "static ~ dynamic decode, bf16 autocast (train.py's CUDA rollout)"
     # fresh static caches and compile, as in a new process (under autocast the cached keys are fp32 --
-    # RoPE promotes them -- and the values bf16: models.static_decoding keys its caches by both)
+    # RoPE promotes them -- and the values bf16: decoding.static_decoding keys its caches by both)
     reset_compile()
     with C.guard("a", name):
-        autocast = models.make_autocast(C.dev, "bfloat16")
+        autocast = runtime.make_autocast(C.dev, "bfloat16")
         dyn, st = gen(False, autocast), gen(True, autocast)
         frac, diff = compare(st, dyn)
         # bf16 rounding differs between eager and compiled kernels: a near-tie may sample another
@@ -521,7 +523,7 @@ def section_d(C):
     reset_compile()
     shape, n_prompts, group, max_new, runs = ("0.6b", 32, 8, 128, 2) if not C.cpu else ("tiny", 4, 2, 16, 2)
     # as train.py runs it: fp32 master weights, bf16 autocast (CUDA), train mode with gradient checkpointing
-    autocast = models.make_autocast(C.dev, "bfloat16" if not C.cpu else "float32")
+    autocast = runtime.make_autocast(C.dev, "bfloat16" if not C.cpu else "float32")
     tok = AutoTokenizer.from_pretrained(os.path.join(ROOT, "data", "toy", "tokenizer"))
     cfg = Qwen3Config(vocab_size=128, max_position_embeddings=4096, tie_word_embeddings=True,
                       eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, bos_token_id=None, **QWEN3_SHAPES[shape])

@@ -46,7 +46,7 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)  # as a script: the repo root on sys.path, for train.py and tests.*
-import models  # noqa: E402
+import decoding  # noqa: E402
 import train  # noqa: E402
 from configurator import configure  # noqa: E402
 
@@ -115,7 +115,7 @@ def estimate(cfg, model, world_size=1, prompt_tokens=512, teacher_prompt_tokens=
     eval_rows = rows_per_call(max(1, cfg["batch_prompts"] * G // n_eval), n_eval)  # train.main's eval chunk
     gen_rows = max(train_rows, eval_rows)
     seq = prompt_tokens + cfg["max_new_tokens"]
-    cache_len = models.bucket(seq)  # the static cache's length: bucketed (models.static_decoding)
+    cache_len = decoding.bucket(seq)  # the static cache's length: bucketed (decoding.static_decoding)
     gen_kind = "rollout" if train_rows >= eval_rows else f"eval, eval_n={n_eval}"
 
     # one micro-batch of the train step
@@ -162,7 +162,7 @@ def estimate(cfg, model, world_size=1, prompt_tokens=512, teacher_prompt_tokens=
          4 * min(BUCKET, n) if world_size > 1 else 0, "train step"),
         ("adamw_step", "optimizer step: foreach AdamW's sqrt(v) temporary (fp32)", 4 * n, "optimizer"),
     ]
-    # the rollout's static cache stays through the train step only where both fit (models.StepMemory)
+    # the rollout's static cache stays through the train step only where both fit (decoding.StepMemory)
     phases = {p: sum(b for _, _, b, q in rows if q == p) for p in ("state", "generation", "train step", "optimizer")}
     rollout_cache = train_rows * cache_len * kv_per_token
     kept = phases["state"] + phases["train step"] + rollout_cache <= SLACK * gpu_bytes

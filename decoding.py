@@ -1,0 +1,150 @@
+"""
+Decoding with a KV cache: the one forward a rollout step runs (forward_with_cache), KV caches that
+store keys and values in the autocast dtype, and on CUDA a static cache with a compiled, CUDA-graphed
+decode step (static_decoding), at most one alive, freed before a train step it does not fit beside
+(StepMemory). train.py's decode() drives it; models.py's teacher forward uses new_cache.
+"""
+import inspect
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache, Qwen2ForCausalLM, StaticCache
+
+from runtime import autocast_dtype
+
+# the forward takes its KV cache as `cache` in newer transformers (5.2x) and as `past_key_values` in
+# older ones (5.17 silently ignores cache=): the name is read off the installed version's signature
+CACHE = "cache" if "cache" in inspect.signature(Qwen2ForCausalLM.forward).parameters else "past_key_values"
+
+
+def forward_with_cache(model, ids, mask, position, cache, **kwargs):
+    """The model's last-position logits [rows, V], reading and extending the KV cache (position None:
+    an ALiBi model, whose positions follow the mask). Also the decode step that static_rollout compiles."""
+    positions = {} if position is None else {"position_ids": position}
+    return model(input_ids=ids, attention_mask=mask, **positions, **{CACHE: cache}, use_cache=True, **kwargs).logits[:, -1]
+
+
+def bucket(n, per_octave=4, smallest=64):
+    """n rounded up to one of `per_octave` sizes per power of two (at least `smallest`): a run
+    sees a handful of distinct sizes, and wastes at most 1/per_octave of each."""
+    if n <= smallest:
+        return smallest
+    step = max(1, (1 << (n.bit_length() - 1)) // per_octave)
+    return -(-n // step) * step
+
+
+class _StoresInOneDtype:
+    """A KV cache that stores keys and values in kv_dtype (the autocast dtype; None: as they come).
+    Under autocast RoPE returns fp32 keys (bf16 q/k times fp32 cos/sin) beside bf16 values;
+    attention casts both to bf16 anyway, so storing bf16 changes no number and halves the keys'
+    memory. Without it transformers 5.17 keeps both in fp32 and its StaticCache then cannot take a
+    bf16 value (index_copy_ dtype mismatch: eager, deterministic mode, or dynamo's eager fallback)."""
+    kv_dtype = None
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        if self.kv_dtype is not None:
+            key_states, value_states = key_states.to(self.kv_dtype), value_states.to(self.kv_dtype)
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+
+class KVCache(_StoresInOneDtype, DynamicCache):
+    pass
+
+
+class StaticKVCache(_StoresInOneDtype, StaticCache):
+    pass
+
+
+def new_cache(model, dev):
+    """An empty dynamic KV cache for model, storing in the current autocast dtype (_StoresInOneDtype).
+    Built from the model's config, as its own generate does: the config names the layer kinds
+    (sliding-window, sparse-attention indexers, ...) that a plain DynamicCache gets wrong."""
+    cache = KVCache(config=model.config)
+    cache.kv_dtype = autocast_dtype(dev)
+    return cache
+
+
+# the one static cache alive ({shape key: cache}, at most one entry: a new shape frees the previous
+# buffers first) and the compiled decode step per device kind
+_static_caches, _compiled_steps = {}, {}
+
+
+def free_static_cache():
+    """Drop the static cache (its memory returns to the allocator): before a train step it does not
+    fit beside. The next rollout allocates a new one (on CUDA its graphs re-record, no recompile)."""
+    _static_caches.clear()
+
+
+def static_cache_bytes():
+    return sum(t.numel() * t.element_size() for c in _static_caches.values() for layer in c.layers
+               for t in (getattr(layer, "keys", None), getattr(layer, "values", None)) if t is not None)
+
+
+def static_cache_fits(*, allocated, step_extra, total, fill=0.9):
+    """Whether the static cache (part of `allocated`, the bytes in use now) may stay alive through a
+    train step that last time allocated step_extra bytes above its start: the sum must fit in `fill`
+    of the GPU (allocator slack). Unknown step_extra (the first step): it does not."""
+    return step_extra is not None and allocated + step_extra <= fill * total
+
+
+@dataclass
+class StepMemory:
+    """On CUDA, around each train step: free the static cache first unless it fits beside the step
+    (static_cache_fits, from the previous step's measured peak), then measure this step's peak."""
+    step_extra: int = None  # bytes the last train step allocated above what was in use at its start
+    start: int = 0
+
+    def before_step(self, dev):
+        if dev.type != "cuda":
+            return
+        if _static_caches and not static_cache_fits(allocated=torch.cuda.memory_allocated(dev), step_extra=self.step_extra,
+                                                    total=torch.cuda.get_device_properties(dev).total_memory):
+            free_static_cache()
+        torch.cuda.reset_peak_memory_stats(dev)
+        self.start = torch.cuda.memory_allocated(dev)
+
+    def after_step(self, dev):
+        if dev.type == "cuda":
+            self.step_extra = torch.cuda.max_memory_allocated(dev) - self.start
+
+
+def static_decoding(model, prefill_cache, mask, max_new_tokens):
+    """Move a prefilled KV cache into a StaticCache; return (cache, attention mask, step), or None
+    for a model with sliding-window layers (their prefill cache holds only the window).
+
+    The cache length is bucketed, and the live cache is reused while the rows match and it is long
+    enough (lengths only grow), so a run allocates and compiles a handful of shapes, and at most one
+    cache is alive at a time. The mask covers the whole cache (the causal mask hides the unwritten
+    positions, and the ones past a short batch's end are never reached): one shape for every step."""
+    rows, width = mask.shape
+    if any(getattr(layer, "is_sliding", False) for layer in prefill_cache.layers):
+        return None  # a sliding-window prefill keeps only the window: decode on the dynamic cache
+    k = prefill_cache.layers[0].keys
+    key = (rows, len(prefill_cache.layers), k.shape[1], k.shape[3], k.dtype, k.device)
+    old = next(iter(_static_caches.items()), None)
+    if old is not None and old[0][0] == key and old[0][1] >= width + max_new_tokens:
+        (_, length), cache = old
+    else:
+        free_static_cache()  # before allocating the new one: never two alive
+        length = bucket(width + max_new_tokens)
+        cache = StaticKVCache(config=model.config, max_cache_len=length)
+        cache.kv_dtype = prefill_cache.kv_dtype
+        _static_caches[(key, length)] = cache
+    cache.reset()
+    for static_layer, layer in zip(cache.layers, prefill_cache.layers):
+        static_layer.update(layer.keys, layer.values)  # writes positions 0..width-1
+    mask = torch.cat([mask, mask.new_ones(rows, length - width)], dim=1)
+    cuda = mask.device.type == "cuda"
+    if cuda not in _compiled_steps:  # CUDA: capture each step shape once as a CUDA graph
+        _compiled_steps[cuda] = torch.compile(forward_with_cache, mode="reduce-overhead" if cuda else "default")
+
+    def step(*args):
+        if cuda:  # the previous step's graph outputs are consumed; let the next replay reuse them
+            torch.compiler.cudagraph_mark_step_begin()
+        return _compiled_steps[cuda](*args)
+    return cache, mask, step
+
+
+def use_static_rollout(setting, dev):
+    """static_rollout 'auto' means on for CUDA (CUDA graphs pay off there) and off on a CPU."""
+    return setting == "on" or (setting == "auto" and dev.type == "cuda")
