@@ -60,6 +60,37 @@ def config_keys(scope, source_file):
     return helps
 
 
+def check_values(cfg, *, choices, ranges, positive, non_negative):
+    """The value checks a type cannot make, from a script's tables: each choices key one of its options,
+    each ranges key inside (low, high] ([low, high] when low is inclusive), positive > 0, non_negative >= 0."""
+    for key, options in choices.items():
+        if cfg[key] not in options:
+            raise UserError(f"{key}={cfg[key]!r} is not one of {', '.join(options)}")
+    for key, (low, high, low_ok) in ranges.items():
+        v = cfg[key]
+        if not ((v >= low if low_ok else v > low) and v <= high):
+            raise UserError(f"{key}={v} is out of range {'[' if low_ok else '('}{low}, {high}]")
+    for key in positive:
+        if cfg[key] <= 0:
+            raise UserError(f"{key}={cfg[key]} must be positive")
+    for key in non_negative:
+        if cfg[key] < 0:
+            raise UserError(f"{key}={cfg[key]} must be >= 0")
+
+
+def parse_stages(stages, dataset, max_iters):
+    """'a:100,b:50' -> [('a', 100), ('b', 50)]; '' -> [(dataset, max_iters)] (train.py's stages key)."""
+    if not stages:
+        return [(dataset, max_iters)]
+    out = []
+    for part in stages.split(","):
+        name, sep, iters = part.strip().rpartition(":")
+        if not sep or not name or not iters.isdigit() or int(iters) <= 0:
+            raise UserError(f"stages entry {part!r} is not 'dataset:iters' (e.g. stages='toy/add:200,toy/mul:200')")
+        out.append((name, int(iters)))
+    return out
+
+
 def check_template(key, template, fields):
     """A str.format template setting, tried with a dummy value for each of its fields: an unknown
     {field}, a positional {} or a lone brace is one line at check time, not a KeyError mid-run."""

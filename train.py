@@ -82,7 +82,7 @@ from tqdm import tqdm
 
 import checkpoint
 import metrics
-from configurator import UserError, check_seed, check_template, require
+from configurator import UserError, check_seed, check_template, check_values, parse_stages, require
 from metrics import Collapse, accuracy_summary
 from data import checkers, tasks as task_files
 from decoding import StepMemory, forward_with_cache, new_cache, static_decoding, use_static_rollout
@@ -218,19 +218,7 @@ def check_config(cfg):
     """Validate values that a type check cannot: choices, ranges, formats, combinations."""
     if cfg["dtype"] == "float16":  # per-token gradients (~1e-9) flush to zero in fp16 without loss scaling
         raise UserError("dtype=float16 is not supported (no loss scaling: its small gradients flush to zero): use bfloat16")
-    for key, options in CHOICES.items():
-        if cfg[key] not in options:
-            raise UserError(f"{key}={cfg[key]!r} is not one of {', '.join(options)}")
-    for key, (low, high, low_ok) in RANGES.items():
-        v = cfg[key]
-        if not ((v >= low if low_ok else v > low) and v <= high):
-            raise UserError(f"{key}={v} is out of range {'[' if low_ok else '('}{low}, {high}]")
-    for key in POSITIVE:
-        if cfg[key] <= 0:
-            raise UserError(f"{key}={cfg[key]} must be positive")
-    for key in NON_NEGATIVE:
-        if cfg[key] < 0:
-            raise UserError(f"{key}={cfg[key]} must be >= 0")
+    check_values(cfg, choices=CHOICES, ranges=RANGES, positive=POSITIVE, non_negative=NON_NEGATIVE)
     if not 0 <= cfg["min_lr"] <= cfg["learning_rate"]:
         raise UserError(f"min_lr={cfg['min_lr']} must be in [0, learning_rate={cfg['learning_rate']}]")
     if cfg["algo"] != "sft" and cfg["group_size"] < 2:
@@ -249,19 +237,6 @@ def check_config(cfg):
     for key, names in {"reprompt_template": "prompt solution feedback", "solution_template": "solution",
                         "feedback_template": "feedback"}.items():  # each tried now, not at the first teacher prompt
         check_template(key, cfg[key], names.split())
-
-
-def parse_stages(stages, dataset, max_iters):
-    """'a:100,b:50' -> [('a', 100), ('b', 50)]; '' -> [(dataset, max_iters)]."""
-    if not stages:
-        return [(dataset, max_iters)]
-    out = []
-    for part in stages.split(","):
-        name, sep, iters = part.strip().rpartition(":")
-        if not sep or not name or not iters.isdigit() or int(iters) <= 0:
-            raise UserError(f"stages entry {part!r} is not 'dataset:iters' (e.g. stages='toy/add:200,toy/mul:200')")
-        out.append((name, int(iters)))
-    return out
 
 
 # ----------------------------------------------------------------------------- data
@@ -706,10 +681,8 @@ def distill_divergence(student_logits, teacher_logits, alpha, distill, topk, tai
 
 def _div_rows(hidden, teacher, div_rows):
     """The rows that get a divergence: all of them by default when there is a teacher, none without."""
-    if teacher is None:
-        return torch.zeros(hidden.shape[0], dtype=torch.bool, device=hidden.device)
-    if div_rows is None:
-        return torch.ones(hidden.shape[0], dtype=torch.bool, device=hidden.device)
+    if teacher is None or div_rows is None:
+        return torch.full((hidden.shape[0],), teacher is not None, dtype=torch.bool, device=hidden.device)
     return div_rows
 
 
@@ -1196,14 +1169,10 @@ def train_loop(run, cfg, ddp):
 
 
 # ============================================================================= appendix: the fused loss
-# The same loss as naive_token_loss, computed in chunks (fused_loss=True, the default): nothing
-# above needs reading it to follow the algorithm; fused_token_loss is called where
-# naive_token_loss is (loss_backward), with the same arguments and result, and tests/test_loss.py
-# holds the two to each other. Without any [N, V] tensor: rows are processed in chunks, and
-# the gradients for hidden and weight are computed during the forward, so no [chunk, V] tensor
-# outlives its chunk. The matmuls run in the matmul dtype (bf16 under autocast: tensor cores,
-# fp32 accumulation inside each product); the softmax and divergence maths is fp32 (fp64 for
-# fp64 inputs, for the tests).
+# The same loss as naive_token_loss, computed in chunks (fused_loss=True, the default): nothing above
+# needs reading it to follow the algorithm. fused_token_loss (at the end) is called where
+# naive_token_loss is, with the same arguments and result; tests/test_loss.py holds the two to each
+# other. Products in the matmul dtype (bf16 under autocast), softmax and divergence maths in fp32.
 
 def _logits_into(buf, parts, transposed=False):
     """sum_i h_i @ w_i.T over parts [(h_i [c, H], w_i [V, H])] as fp32 (the buffer's dtype) [c, V],
