@@ -219,11 +219,12 @@ class Dist:
         try:
             yield
         except (RuntimeError, dist.DistError) as e:
-            first = re.sub(r"^\[[^\]]*\]\s*", "", (str(e).strip().splitlines() or [type(e).__name__])[0])  # ([gloo/...cc:537])
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            first = re.sub(r"^\[[^\]]*\]\s*", "", first).split(". ")[0]  # without gloo's [source:line], one sentence
             if self.world == 1 or not (isinstance(e, dist.DistError) or any(s in first for s in PEER_LOST)):
                 raise
             raise UserError(f"rank {self.rank} of {self.world}: another rank stopped ({type(e).__name__}: "
-                            f"{first.split('. ')[0][:160]}): its own output says why; continue with --init_from=resume") from None
+                            f"{first[:160]}): its own output says why; continue with --init_from=resume") from None
 
 
 PEER_LOST = ("closed by peer", "reset by peer", "Broken pipe", "Connection refused", "NCCL communicator")

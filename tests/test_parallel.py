@@ -53,7 +53,7 @@ def test_fsdp_sft_equals_one_process(toy_data, tmp_path):
     """SFT samples nothing: 2 FSDP ranks over the same global batch are the one-process run (loss,
     gradient norm, weights; float tolerance), and ckpt/ is the same clean HF folder, which loads."""
     args = ["config/toy_base.py", *TINY, "--stages=toy/add+toy/sort+toy/context:2,toy/context:1", "--batch_prompts=8",
-            "--learning_rate=1e-2", "--eval_max_prompts=2", "--device=cpu"]
+            "--eval_sets=toy/add", "--learning_rate=1e-2", "--eval_max_prompts=2", "--device=cpu"]
     torchrun(2, "train.py", *args, "--parallel=fsdp", f"--out_dir={tmp_path / 'fsdp'}")
     run_train(*args, f"--out_dir={tmp_path / 'one'}", env={"OMP_NUM_THREADS": "1"})
     fsdp, one = iteration_rows(tmp_path / "fsdp"), iteration_rows(tmp_path / "one")

@@ -89,8 +89,8 @@ def compare(algo, ddp):
     teacher_full = runtime.full_state_dict(teacher.own) if teacher else None
     if ddp.master:
         out["weights_max_diff"] = max_diff(full, one.state_dict())
-        out["moved"] = max((v - w).abs().max().item() for v, w in zip(one.state_dict().values(),
-                                                                       load_model("scratch", CPU, scratch=cfg)[0].state_dict().values()))
+        start = load_model("scratch", CPU, scratch=cfg)[0].state_dict()
+        out["moved"] = max((v - start[k]).abs().max().item() for k, v in one.state_dict().items())
         if teacher:
             out["teacher_max_diff"] = max_diff(teacher_full, one_teacher.own.state_dict())
     out["sharded"] = all(isinstance(p, runtime.DTensor) for p in model.parameters())
