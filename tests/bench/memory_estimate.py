@@ -12,7 +12,8 @@ parameters exactly) and the run's settings. No GPU and no download needed.
 Settings: train.py's defaults, then the --config file, then any train.py --key=value, all through
 configurator.py exactly as `python train.py config/x.py --key=value` applies them. The model is
 the ARCH entry the config's init_from names ("Qwen/Qwen3-1.7B" -> qwen3-1.7b) unless --model is
-given. Estimate-only flags: --model, --world_size (DDP ranks; default 1), --prompt_tokens (the
+given. Estimate-only flags: --model, --world_size (torchrun ranks; default 1; with train.py's
+--parallel=fsdp one rank's share of the sharded state: fsdp_rows), --prompt_tokens (the
 longest prompt), --teacher_prompt_tokens (the longest teacher prompt; default: the prompt + a
 max_new_tokens demonstration + 64 template tokens, at most max_reprompt_len; with use_feedback,
 max_reprompt_len).
@@ -229,7 +230,8 @@ def main(argv=None):
                                  epilog="Any of train.py's --key=value settings is accepted too (python train.py --help).")
     ap.add_argument("--config", default="config/sdpo_math.py", help="a config file ('' = train.py's defaults)")
     ap.add_argument("--model", choices=sorted(ARCH), default=None, help="default: the ARCH entry init_from names")
-    ap.add_argument("--world_size", type=int, default=1, help="DDP ranks (>1 adds one gradient all-reduce bucket)")
+    ap.add_argument("--world_size", type=int, default=1, help="torchrun ranks (ddp: >1 adds one gradient all-reduce "
+                    "bucket; --parallel=fsdp: the state sharded over them)")
     ap.add_argument("--prompt_tokens", type=int, default=512, help="longest prompt")
     ap.add_argument("--gpu_gb", type=float, default=141, help="GPU memory (GB) the static cache must fit in beside the "
                     "train step to be kept through it (default: an H200)")
