@@ -149,7 +149,7 @@ class Dist:
         ones on their own, so no full-model flat copy is ever made."""
         if self.world == 1:
             return
-        params = list(model.parameters())
+        params = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters only
         for p in params:
             if p.grad is None:  # this rank had no signal for it: contribute zeros
                 p.grad = torch.zeros_like(p)

@@ -10,7 +10,7 @@ from typing import NamedTuple
 
 import torch
 
-from models import frozen_copy, lm_head, load_model, shared_prompt_hidden
+from models import adapter_copy, frozen_copy, lm_head, load_model, lora_layers, shared_prompt_hidden
 
 
 class TeacherLogits(NamedTuple):
@@ -30,8 +30,13 @@ class Teacher:
         ema           its own copy                      θ_T ← (1−τ)θ_T + τθ          its own copy
         trust_region  logits (1−μ)·initial + μ·student  nothing (the student moves)  not scored (below)
         live          the student itself                nothing                      the student
+      with LoRA (lora_rank > 0; the teacher shares the student's frozen base, no second model in memory):
+        frozen        the base, adapter off (base_view) nothing                      the base
+        ema           the base + its own adapter copy   the adapter copy, as above   its own copy
 
-    τ = μ = teacher_rate. teacher_stage_reset ('student' / 'initial') reloads the own copy at a stage
+    τ = μ = teacher_rate. Under LoRA the EMA averages the adapter factors A and B, each on its own (so
+    the teacher's update B_T·A_T is not quite the average of the student's), and trust_region's and
+    the KL reference's initial model is the base view too. teacher_stage_reset ('student' / 'initial') reloads the own copy at a stage
     boundary; live and trust_region have none to reload. trust_region is not scored at eval: sampling
     from a logit mixture needs two KV caches in one decode loop, which generate() does not have.
     Adding a kind: a row here, its lines in the methods below, and its name in CHOICES["teacher"]."""
@@ -51,7 +56,9 @@ class Teacher:
         if cfg["algo"] != "sdpo":
             return None
         own = None
-        if cfg["teacher"] in ("frozen", "ema"):
+        if cfg["teacher"] in ("frozen", "ema") and lora_layers(model):  # (train.py made initial_model the base view)
+            own = initial_model if cfg["teacher"] == "frozen" else adapter_copy(model)
+        elif cfg["teacher"] in ("frozen", "ema"):
             own = frozen_copy(initial_model if initial_model is not None else model)
             if cfg["teacher_init"] and not resume:
                 # θ_T ← (1 − a)·θ_T + a·θ_init: the EMA update's formula, applied once
@@ -88,9 +95,18 @@ class Teacher:
             ema_update(self.own, student, self.rate)
 
     def start_stage(self, reset, student, initial_model):
-        """A stage boundary: teacher_stage_reset 'student' or 'initial' reloads the own copy."""
-        if self.own is not None and reset != "keep":
-            self.own.load_state_dict((student if reset == "student" else initial_model).state_dict())
+        """A stage boundary: teacher_stage_reset 'student' or 'initial' reloads the own copy. Under LoRA a
+        frozen teacher is the initial model already, and an EMA one goes back to it with B = 0 (its
+        adapter then adds nothing: the base view has no adapter to copy)."""
+        if self.own is None or reset == "keep" or self.own is initial_model:
+            return
+        if reset == "initial" and lora_layers(self.own):
+            with torch.no_grad():
+                for name, p in self.own.named_parameters():
+                    if ".lora_B." in name:
+                        p.zero_()
+            return
+        self.own.load_state_dict((student if reset == "student" else initial_model).state_dict())
 
     def eval_model(self, student):
         """The model scored at eval reading the reference solution (None: this kind is not scored)."""
@@ -99,5 +115,8 @@ class Teacher:
 
 @torch.no_grad()
 def ema_update(teacher_model, student_model, rate):
-    """θ_T ← (1 − rate)·θ_T + rate·θ, once per optimizer step."""
-    torch._foreach_lerp_(list(teacher_model.parameters()), [p.detach() for p in student_model.parameters()], rate)
+    """θ_T ← (1 − rate)·θ_T + rate·θ, once per optimizer step; tensors the two share (a LoRA teacher's
+    base) are left alone."""
+    pairs = [(t, s) for t, s in zip(teacher_model.parameters(), student_model.parameters()) if t is not s]
+    if pairs:
+        torch._foreach_lerp_([t for t, _ in pairs], [s.detach() for _, s in pairs], rate)
