@@ -411,12 +411,15 @@ def load_model(init, dev, dtype=torch.float32, scratch=None, with_tokenizer=True
 
 def load_student(init, dev, cfg):
     """The model train.py trains, and its tokenizer: load_model(init), with LoRA adapters on it when
-    lora_rank > 0 (apply_lora; its frozen base kept in the autocast dtype)."""
-    model, tokenizer = load_model(init, dev, scratch=cfg)
-    if cfg["lora_rank"]:
-        model = apply_lora(model, rank=cfg["lora_rank"], alpha=cfg["lora_alpha"], targets=cfg["lora_targets"],
-                           base_dtype=amp_dtype(dev, cfg["dtype"]))
-    return model, tokenizer
+    lora_rank > 0 (apply_lora; its frozen base kept in the autocast dtype, and then loaded and checked
+    in fp32 on the CPU first, so the GPU never holds the fp32 base)."""
+    if not cfg["lora_rank"]:
+        return load_model(init, dev, scratch=cfg)
+    base_dtype = amp_dtype(dev, cfg["dtype"])
+    model, tokenizer = load_model(init, torch.device("cpu") if base_dtype else dev, scratch=cfg)
+    model = apply_lora(model, rank=cfg["lora_rank"], alpha=cfg["lora_alpha"], targets=cfg["lora_targets"],
+                       base_dtype=base_dtype)
+    return model.to(dev), tokenizer
 
 
 def enable_grad_checkpointing(model):
