@@ -30,15 +30,16 @@ class Teacher:
         ema           its own copy                      θ_T ← (1−τ)θ_T + τθ          its own copy
         trust_region  logits (1−μ)·initial + μ·student  nothing (the student moves)  not scored (below)
         live          the student itself                nothing                      the student
-      with LoRA (lora_rank > 0; the teacher shares the student's frozen base, no second model in memory):
-        frozen        the base, adapter off (base_view) nothing                      the base
-        ema           the base + its own adapter copy   the adapter copy, as above   its own copy
 
-    τ = μ = teacher_rate. Under LoRA the EMA averages the adapter factors A and B, each on its own (so
-    the teacher's update B_T·A_T is not quite the average of the student's), and trust_region's and
-    the KL reference's initial model is the base view too. teacher_stage_reset ('student' / 'initial') reloads the own copy at a stage
+    τ = μ = teacher_rate. teacher_stage_reset ('student' / 'initial') reloads the own copy at a stage
     boundary; live and trust_region have none to reload. trust_region is not scored at eval: sampling
     from a logit mixture needs two KV caches in one decode loop, which generate() does not have.
+
+    Under LoRA (lora_rank > 0) the teacher shares the student's frozen base, no second model in
+    memory: frozen is the base with the adapter off (models.base_view, which is also trust_region's
+    initial model and the KL reference), ema the base with its own adapter copy (models.adapter_copy),
+    and its update moves only that copy. That EMA averages the factors A and B each on its own, so
+    the teacher's B_T·A_T is not quite the average of the student's B·A.
     Adding a kind: a row here, its lines in the methods below, and its name in CHOICES["teacher"]."""
     kind: str
     rate: float
