@@ -5,16 +5,18 @@ a bad LoRA setting is one line before anything is written."""
 import contextlib
 import json
 import os
+import subprocess
 import sys
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import TINY, defaults, read_log, run_train
+from conftest import ROOT, TINY, defaults, read_log, run_train
 from test_train import hand_made_batch
 
 import checkpoint
+import decoding
 import models
 import train
 from runtime import Dist
@@ -254,3 +256,64 @@ def test_memory_estimate_has_the_lora_figure_and_the_lora_config_fits_24_gb(caps
             assert memory_estimate.lora_param_count("tiny", 8, targets) == want
     finally:
         del memory_estimate.ARCH["tiny"]
+
+
+def test_lora_models_and_their_views_decode_on_the_static_cache_as_on_the_dynamic_one(toy_data, base_dir, monkeypatch):
+    """The CUDA rollout path (static KV cache, the decode step through torch.compile; here dynamo with
+    the eager backend) over peft's layers and the two views (the frozen teacher's base view, the EMA
+    teacher's adapter copy), with the base in bf16 under autocast as on a GPU: the same tokens and
+    log-probs as the dynamic-cache loop."""
+    real_compile = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, mode=None: real_compile(fn, backend="eager"))
+    model, _ = models.load_model(base_dir, torch.device("cpu"))
+    models.apply_lora(model, rank=4, alpha=8.0, targets="all-linear", base_dtype=torch.bfloat16)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if ".lora_B." in n:
+                p.normal_(std=0.5)
+    prompts = [[1, 4, 5, 6, 7], [8, 9], [10]]
+    for m in (model, models.base_view(model), models.adapter_copy(model)):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            runs = [train.generate(m, prompts, group_size=2, max_new_tokens=8, temperature=1.0, top_p=1.0, eos_ids=[2],
+                                   pad_id=0, generator=torch.Generator().manual_seed(5), static=static)
+                    for static in (False, True)]
+        assert runs[1].response_ids == runs[0].response_ids
+        for a, b in zip(runs[1].old_logprobs, runs[0].old_logprobs):
+            torch.testing.assert_close(a, b, atol=1e-3, rtol=1e-3)  # bf16 attention over another cache layout
+    assert decoding._compiled_steps, "the static path went through torch.compile"
+
+
+def test_two_ranks_of_lora_equal_one_process(toy_data, base_dir, tmp_path):
+    """Data parallelism over LoRA: the ranks sum the adapters' gradients only (the frozen base has
+    none to all-reduce) and the merged model after 2 steps equals the one-process run's."""
+    from test_ddp import weights
+
+    def torchrun(nproc, *argv):  # this interpreter's torch.distributed.run (a torchrun on PATH may be another python's)
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "train.py", *argv]
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600,
+                              env=dict(os.environ, OMP_NUM_THREADS="1"))
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    args = ["config/toy_base.py", *TINY, f"--init_from={base_dir}", "--lora_rank=4", "--stages=toy/add:2",
+            "--batch_prompts=8", "--learning_rate=1e-2", "--eval_max_prompts=2", "--device=cpu"]
+    torchrun(2, *args, f"--out_dir={tmp_path / 'two'}")
+    run_train(*args, f"--out_dir={tmp_path / 'one'}")
+    sums = [r["rank_param_sums"] for r in read_log(tmp_path / "two") if "rank_param_sums" in r]
+    assert sums and all(len(s) == 2 and s[0] == s[1] for s in sums)
+    two, one = weights(tmp_path / "two"), weights(tmp_path / "one")
+    assert any(not torch.equal(one[k], v) for k, v in load_file(os.path.join(base_dir, "model.safetensors")).items())
+    for k in one:
+        torch.testing.assert_close(two[k], one[k], rtol=1e-4, atol=1e-5)
+
+
+def test_data_parallelism_all_reduces_the_adapters_gradients_only(toy_data, base_dir, monkeypatch):
+    """Dist.all_reduce_grads gives a frozen base no zero gradients (a model-sized buffer) to sum."""
+    model, _ = models.load_model(base_dir, torch.device("cpu"))
+    models.apply_lora(model, rank=4, alpha=8.0, targets="all-linear")
+    reduced = []
+    monkeypatch.setattr(Dist, "_all_reduce", staticmethod(reduced.extend))
+    ranks = Dist.__new__(Dist)  # two ranks' bookkeeping, no process group: _all_reduce is recorded instead
+    ranks.world = 2
+    ranks.all_reduce_grads(model)
+    adapter = [p for n, p in model.named_parameters() if ".lora_" in n]
+    assert sorted(map(id, reduced)) == sorted(id(p.grad) for p in adapter)
+    assert all(p.grad is None for n, p in model.named_parameters() if ".lora_" not in n)
