@@ -2,7 +2,9 @@
 Any HF causal LM, the way train.py needs it: loaded (or a toy model built from scratch), checked
 once at load, dropout off, its decoder body and LM head taken apart for the fused loss (the hidden
 states that predict each response token, with the teacher's shared-prompt prefill), its EOS ids and
-its prompts. Decoding with a KV cache is decoding.py; the device, autocast and ranks are runtime.py.
+its prompts; with lora_rank > 0, peft's LoRA adapters on it (apply_lora, the base views the LoRA
+teachers read, the merged weights ckpt/ exports). Decoding with a KV cache is decoding.py; the device,
+autocast and ranks are runtime.py.
 
 train.py never asks the model for its training logits: it runs the decoder body, keeps the final
 hidden states h and does the LM head itself, in chunks (models.lm_head). That is only right if the

@@ -102,6 +102,22 @@ def test_the_frozen_lora_teacher_is_the_initial_model_and_no_second_copy(toy_dat
         assert (logits_of(run.model, ids) - logits_of(initial, ids)).abs().max() > 1e-3  # the student did move
 
 
+@pytest.mark.parametrize("override", [dict(teacher="trust_region"), dict(teacher="live"),
+                                      dict(algo="grpo", kl_coef=0.1), dict(teacher="ema", teacher_stage_reset="initial")])
+def test_every_teacher_kind_and_the_kl_reference_run_under_lora_with_no_copy_of_the_base(toy_data, base_dir, tmp_path,
+                                                                                        override, one_thread):
+    """trust_region's initial model, the KL reference and the stage-reset target are the base view;
+    live reads the student; each trains the adapters and copies nothing of the base."""
+    with trained(lora_cfg(toy_data, base_dir, tmp_path / "run", **override)) as (run, before, _):
+        student = {id(p) for p in run.model.parameters()}
+        for extra in (run.initial_model, run.teacher and run.teacher.own, run.teacher and run.teacher.initial):
+            if extra is not None:
+                assert all(id(p) in student or ".lora_" in n for n, p in extra.named_parameters())
+        assert (run.initial_model is not None) == (override != dict(teacher="live"))
+        changed = {n for n, p in run.model.named_parameters() if not torch.equal(p, before[n])}
+        assert changed and all(".lora_" in n for n in changed)
+
+
 def test_the_merged_checkpoint_loads_without_peft_and_gives_the_lora_models_logits(toy_data, base_dir, tmp_path,
                                                                                     one_thread):
     peft = pytest.importorskip("peft", reason=NEEDS_PEFT)
@@ -206,9 +222,9 @@ def test_adapters_get_gradients_through_checkpointed_blocks_over_a_bf16_base(toy
     assert weights and all(v.dtype == torch.float32 for v in weights.values()) and not any(".lora_" in k for k in weights)
 
 
-def test_an_ema_lora_teacher_reset_to_initial_is_the_base(toy_data, base_dir):
+def test_an_ema_lora_teacher_resets_to_the_base_or_the_student_at_a_stage_boundary(toy_data, base_dir):
     """teacher_stage_reset='initial' under LoRA: the base view has no adapter to copy, so the EMA
-    teacher's B goes to 0 and its adapter adds nothing."""
+    teacher's B goes to 0 and its adapter adds nothing; 'student' copies the student's adapter."""
     model, tokenizer = models.load_model(base_dir, torch.device("cpu"))
     initial = models.frozen_copy(model)
     models.apply_lora(model, rank=4, alpha=8.0, targets="q_proj,v_proj")
@@ -222,6 +238,9 @@ def test_an_ema_lora_teacher_reset_to_initial_is_the_base(toy_data, base_dir):
     teacher.start_stage("initial", model, models.base_view(model))
     torch.testing.assert_close(logits_of(teacher.own, ids), logits_of(initial, ids))
     assert (logits_of(model, ids) - logits_of(initial, ids)).abs().max() > 1e-3  # the student is left alone
+    teacher.start_stage("student", model, models.base_view(model))  # 'student': the student's adapter, copied
+    torch.testing.assert_close(logits_of(teacher.own, ids), logits_of(model, ids))
+    assert all(p is not q for p, q in zip(teacher.own.parameters(), model.parameters()) if p.requires_grad or q.requires_grad)
 
 
 def test_memory_estimate_has_the_lora_figure_and_the_lora_config_fits_24_gb(capsys):
