@@ -35,6 +35,7 @@ import copy
 import fcntl
 import hashlib
 import json
+import math
 import os
 import random
 import re
@@ -43,11 +44,12 @@ import struct
 from dataclasses import asdict, dataclass
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, load_model, save_file, save_model
 
 import metrics
 from configurator import UserError
-from models import adapter_tensors, lora_layers, merged_state_dict
+from models import adapter_tensors, base_fingerprint, lora_layers, merged_state_dict
 
 RUN_OUTPUTS = r"log\.jsonl|samples\.jsonl|accuracy_matrix\.json|ckpt(_good)?(\.tmp|\.old)?|stage\d+_.+|eval(_\w+)?\.(json|md|png)"
 # config keys a resumed run may change: where and how it runs, not what it computes
@@ -270,7 +272,7 @@ def save_adapter(folder, model, base_name):
     config.base_model_name_or_path = base_name
     config.save_pretrained(folder)
     save_file({k: p.detach().contiguous() for k, p in adapter_tensors(model).items()},
-              os.path.join(folder, "adapter_model.safetensors"))
+              os.path.join(folder, "adapter_model.safetensors"), metadata={"nanosdpo_base": json.dumps(base_fingerprint(model))})
 
 
 def _own_tensors(teacher_model, model):
@@ -514,6 +516,12 @@ def load_trainer(ckpt_dir, state, model, optimizer, teacher_model):
             raise UserError(f"{adapter} is missing: the checkpoint has no LoRA adapter to resume (was it written "
                             "with lora_rank=0?)")
         _load_tensors(adapter_tensors(model), adapter, "the LoRA adapter")
+        with safe_open(adapter, "pt") as f:
+            saved_base = json.loads((f.metadata() or {}).get("nanosdpo_base", "null"))
+        if saved_base is not None and not all(math.isclose(a, b, rel_tol=1e-6)  # sums in another order: not bit-exact
+                                              for a, b in zip(saved_base, base_fingerprint(model))):
+            raise UserError(f"init_from=resume: the base {state['base_init']} holds other weights than the run's LoRA "
+                            "adapter was trained on (it changed since): restore that base, or start a new out_dir")
     elif os.path.exists(os.path.join(trainer, "model_fp32.safetensors")):
         load_model(model, os.path.join(trainer, "model_fp32.safetensors"))
     if teacher_model is not None:

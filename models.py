@@ -571,6 +571,14 @@ def merged_state_dict(model):
     return state
 
 
+@torch.no_grad()
+def base_fingerprint(model):
+    """Two numbers that change when a LoRA model's frozen base does: the sum and the sum of squares of
+    its weights rounded to bf16 (so fp32 and bf16 copies of one base agree), in float64."""
+    base = [p.detach().to(torch.bfloat16).double() for n, p in model.named_parameters() if ".lora_" not in n]
+    return [torch.stack([t.sum() for t in base]).sum().item(), torch.stack([t.square().sum() for t in base]).sum().item()]
+
+
 def adapter_tensors(model):
     """{name: parameter} of a LoRA model's adapter, named as peft's adapter_model.safetensors names it
     (PeftModel.from_pretrained loads the folder checkpoint.py writes)."""

@@ -68,7 +68,7 @@ def test_lora_sdpo_trains_only_the_adapters_and_the_ema_teacher_moves_only_its_a
     with trained(lora_cfg(toy_data, base_dir, tmp_path / "run", teacher="ema", max_iters=3)) as (run, before, t_before):
         params = dict(run.model.named_parameters())
         adapter = {n for n in params if ".lora_" in n}
-        assert adapter and len(adapter) < len(params)
+        assert adapter and len(adapter) < len(params) and not any(n.startswith("lm_head") for n in adapter)
         # the optimizer holds the adapters and nothing else; the base takes no gradient
         held = {id(p) for g in run.optimizer.param_groups for p in g["params"]}
         assert held == {id(params[n]) for n in adapter}
@@ -336,3 +336,22 @@ def test_data_parallelism_all_reduces_the_adapters_gradients_only(toy_data, base
     adapter = [p for n, p in model.named_parameters() if ".lora_" in n]
     assert sorted(map(id, reduced)) == sorted(id(p.grad) for p in adapter)
     assert all(p.grad is None for n, p in model.named_parameters() if ".lora_" not in n)
+
+
+def test_a_lora_resume_over_a_base_that_changed_since_is_one_line(toy_data, base_dir, tmp_path):
+    """A resume rebuilds the model from init_from's base + ckpt/adapter/: if that base now holds
+    other weights (retrained, overwritten), continuing would not be the same run."""
+    import shutil
+    base = tmp_path / "base"
+    shutil.copytree(base_dir, base)
+    cfg = lora_cfg(toy_data, str(base), tmp_path / "run", teacher="frozen", max_iters=1)
+    train.main(cfg)
+    with contextlib.ExitStack() as stack:  # the base unchanged: it resumes
+        assert train.setup(dict(cfg, init_from="resume", max_iters=2), Dist("cpu"), stack).state.iter == 1
+    other, tokenizer = models.load_model("scratch", torch.device("cpu"), scratch=dict(
+        defaults(), tokenizer_path=os.path.join(toy_data, "toy", "tokenizer"), seed=7, n_layer=1, n_head=2, n_embd=32,
+        block_size=128))
+    other.save_pretrained(base)
+    with pytest.raises(train.UserError, match="holds other weights than the run's LoRA adapter was trained on"), \
+            contextlib.ExitStack() as stack:
+        train.setup(dict(cfg, init_from="resume", max_iters=2), Dist("cpu"), stack)
