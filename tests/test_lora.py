@@ -10,6 +10,7 @@ import sys
 
 import pytest
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file
 
 from conftest import ROOT, TINY, defaults, read_log, run_train
@@ -129,6 +130,9 @@ def test_the_merged_checkpoint_loads_without_peft_and_gives_the_lora_models_logi
         top = {p.name for p in ckpt.iterdir()}
         assert {"config.json", "model.safetensors", "adapter", "trainer"} <= top
         assert not any(name.startswith("adapter_") for name in top)  # the top level stays a plain HF folder
+        with safe_open(str(ckpt / "model.safetensors"), "pt") as f, \
+                safe_open(os.path.join(base_dir, "model.safetensors"), "pt") as g:
+            assert set(f.keys()) == set(g.keys())  # the plain model's names, no base_layer / lora_ keys
         merged = AutoModelForCausalLM.from_pretrained(ckpt)
         assert not models.lora_layers(merged) and next(merged.parameters()).dtype == torch.float32
         torch.testing.assert_close(logits_of(merged, ids), want, atol=1e-5, rtol=1e-5)
