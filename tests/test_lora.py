@@ -359,3 +359,17 @@ def test_a_lora_resume_over_a_base_that_changed_since_is_one_line(toy_data, base
     with pytest.raises(train.UserError, match="holds other weights than the run's LoRA adapter was trained on"), \
             contextlib.ExitStack() as stack:
         train.setup(dict(cfg, init_from="resume", max_iters=2), Dist("cpu"), stack)
+
+
+def test_lora_over_a_bf16_base_as_on_cuda_trains_exports_and_resumes(toy_data, base_dir, tmp_path, one_thread):
+    """dtype=bfloat16 (what 'auto' is on CUDA): the frozen base is kept in bf16, the adapters in fp32;
+    the fused loss reads the bf16 head; ckpt/ is in save_dtype; a resume reloads the base and goes on."""
+    cfg = lora_cfg(toy_data, base_dir, tmp_path / "run", teacher="ema", dtype="bfloat16", save_dtype="bfloat16")
+    with trained(cfg) as (run, before, _):
+        dtypes = {n: p.dtype for n, p in run.model.named_parameters()}
+        assert {d for n, d in dtypes.items() if ".lora_" not in n} == {torch.bfloat16}
+        assert {d for n, d in dtypes.items() if ".lora_" in n} == {torch.float32}
+    with safe_open(str(tmp_path / "run" / "ckpt" / "model.safetensors"), "pt") as f:
+        assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.bfloat16}
+    train.main(dict(cfg, init_from="resume", max_iters=3))
+    assert [r["iter"] for r in read_log(tmp_path / "run") if "loss" in r] == [1, 2, 3]
