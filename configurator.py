@@ -1,5 +1,6 @@
 """
-nanoGPT-style configuration, exec'd by train.py / eval.py / sample.py into their globals:
+nanoGPT-style configuration for train.py / eval.py / sample.py: their defaults are module globals, the
+values a run uses are the dict configure() returns (the globals stay the defaults):
 
     python train.py config/sdpo_toy.py --density=0.5 --out_dir=out/d05
 
@@ -57,6 +58,37 @@ def config_keys(scope, source_file):
             if m and isinstance(scope.get(m.group(1)), PLAIN):
                 helps[m.group(1)] = m.group(3)
     return helps
+
+
+def check_values(cfg, *, choices, ranges, positive, non_negative):
+    """The value checks a type cannot make, from a script's tables: each choices key one of its options,
+    each ranges key inside (low, high] ([low, high] when low is inclusive), positive > 0, non_negative >= 0."""
+    for key, options in choices.items():
+        if cfg[key] not in options:
+            raise UserError(f"{key}={cfg[key]!r} is not one of {', '.join(options)}")
+    for key, (low, high, low_ok) in ranges.items():
+        v = cfg[key]
+        if not ((v >= low if low_ok else v > low) and v <= high):
+            raise UserError(f"{key}={v} is out of range {'[' if low_ok else '('}{low}, {high}]")
+    for key in positive:
+        if cfg[key] <= 0:
+            raise UserError(f"{key}={cfg[key]} must be positive")
+    for key in non_negative:
+        if cfg[key] < 0:
+            raise UserError(f"{key}={cfg[key]} must be >= 0")
+
+
+def parse_stages(stages, dataset, max_iters):
+    """'a:100,b:50' -> [('a', 100), ('b', 50)]; '' -> [(dataset, max_iters)] (train.py's stages key)."""
+    if not stages:
+        return [(dataset, max_iters)]
+    out = []
+    for part in stages.split(","):
+        name, sep, iters = part.strip().rpartition(":")
+        if not sep or not name or not iters.isdigit() or int(iters) <= 0:
+            raise UserError(f"stages entry {part!r} is not 'dataset:iters' (e.g. stages='toy/add:200,toy/mul:200')")
+        out.append((name, int(iters)))
+    return out
 
 
 def check_template(key, template, fields):
@@ -173,9 +205,11 @@ def settings_in_file(path, current):
 
 
 def configure(scope, argv, source_file):
-    """Apply config files and --key=value overrides to `scope` (a script's globals)."""
+    """The config a run uses: the defaults in `scope` (a script's globals; never written to), then
+    the config files and --key=value overrides in `argv`, in order -> {key: value}."""
     helps = config_keys(scope, source_file)
     keys = {k: scope[k] for k in helps}
+    cfg = dict(keys)
     if "--help" in argv or "-h" in argv:
         width = max(map(len, keys))
         print(f"usage: python {source_file.rsplit('/', 1)[-1]} [config/file.py ...] [--key=value ...]\n")
@@ -184,9 +218,8 @@ def configure(scope, argv, source_file):
         raise SystemExit(0)
     for arg in argv:
         if not arg.startswith("--"):
-            current = {k: scope[k] for k in keys}  # a config file may read the current values
-            for k, v in settings_in_file(arg, current).items():
-                scope[k] = coerce(k, v, keys[k], arg)
+            for k, v in settings_in_file(arg, dict(cfg)).items():  # a config file may read the current values
+                cfg[k] = coerce(k, v, keys[k], arg)
         else:
             key, sep, raw = arg[2:].partition("=")
             if not sep:
@@ -196,5 +229,5 @@ def configure(scope, argv, source_file):
                 hint = f" (did you mean {', '.join(close)}?)" if close else " (see --help)"
                 raise SystemExit(f"error: unknown config key '{key}'{hint}")
             value = raw if isinstance(keys[key], str) else literal(raw)  # --out_dir=123 is a string
-            scope[key] = coerce(key, value, keys[key], arg)
-    return {k: scope[k] for k in keys}
+            cfg[key] = coerce(key, value, keys[key], arg)
+    return cfg

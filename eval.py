@@ -597,50 +597,50 @@ def load(init, run_cfg, dev):
     if init == "scratch" and not run_cfg:
         raise train.UserError("base_model='scratch' needs run_dir (its config rebuilds the initial weights)")
     with checkpoint.reading(init):
-        model_, tokenizer = models.load_model(checkpoint.newest_complete(init) or init, dev, scratch=run_cfg or {})
-    model_.eval()
-    return model_, tokenizer
+        model, tokenizer = models.load_model(checkpoint.newest_complete(init) or init, dev, scratch=run_cfg or {})
+    model.eval()
+    return model, tokenizer
 
 
 def fit_sets(sets, loaded, cfg):
     """Leave out (and count) the prompts that do not fit, before max_new_tokens of response, in the
     context of every model that reads them (the model and the base score the same prompts), as
     train.py does for its own; a model with no room at all is one line."""
-    for model_, tokenizer in loaded:
-        cap = models.prompt_budget(model_, cfg["max_new_tokens"])[0]
+    for model, tokenizer in loaded:
+        cap = models.prompt_budget(model, cfg["max_new_tokens"])[0]
         for name in sets:
             sets[name] = models.fit_tasks(sets[name], name, tokenizer, cap=cap, enable_thinking=cfg["enable_thinking"],
                                           fix="lower max_new_tokens (or use a model with a longer context)")
 
 
 # ----------------------------------------------------------------------------- one model's numbers
-def sample(model_, tokenizer, tasks, cfg, autocast, *, n, batch_prompts, seed, progress=False):
-    """train.evaluate with eval.py's sampling settings: n responses per prompt, on the model's device."""
-    dev = next(model_.parameters()).device
+def sample_with_eval_settings(model, tokenizer, tasks, cfg, autocast, *, n, batch_prompts, seed, progress=False):
+    """train.sample_and_score with eval.py's sampling settings: n responses per prompt, on the model's device."""
+    dev = next(model.parameters()).device
     with autocast():
-        return train.evaluate(model_, tokenizer, tasks, n=n, temperature=cfg["temperature"], top_p=cfg["top_p"],
+        return train.sample_and_score(model, tokenizer, tasks, n=n, temperature=cfg["temperature"], top_p=cfg["top_p"],
                               max_new_tokens=cfg["max_new_tokens"], batch_prompts=batch_prompts,
                               generator=train.make_generator(seed, dev), enable_thinking=cfg["enable_thinking"],
                               progress=progress, static=train.use_static_rollout("auto", dev))
 
 
-def score_sets(model_, tokenizer, sets, cfg, ks, autocast, label):
+def accuracy_per_set(model, tokenizer, sets, cfg, ks, autocast, label):
     """Sample n responses per prompt on every set: {set: {"metrics", "texts", "artifacts"}}."""
     res = {}
     for name, tasks in sets.items():
         print(f"{label}: {name} ({len(tasks)} prompts x {cfg['n']} samples)", flush=True)
-        r = sample(model_, tokenizer, tasks, cfg, autocast, n=cfg["n"], batch_prompts=cfg["batch_prompts"], seed=cfg["seed"],
-                   progress=True)
+        r = sample_with_eval_settings(model, tokenizer, tasks, cfg, autocast, n=cfg["n"], batch_prompts=cfg["batch_prompts"],
+                                      seed=cfg["seed"], progress=True)
         res[name] = {"metrics": train.accuracy_summary(r["scores"], ks), "texts": r["texts"],
                      "artifacts": artifacts_of(tokenizer, tasks, r["texts"])}
     return res
 
 
-def drift_responses(model_, tokenizer, drift_sets, cfg, autocast, seed_offset=0):
+def drift_responses(model, tokenizer, drift_sets, cfg, autocast, seed_offset=0):
     """One response per fixed drift prompt, sampled with a generator seeded by cfg['seed']: {set: [text]}."""
-    return {name: [row[0] for row in sample(model_, tokenizer, tasks, cfg, autocast, n=1,
-                                            batch_prompts=max(1, cfg["batch_prompts"] * cfg["n"]),
-                                            seed=cfg["seed"] + seed_offset)["texts"]]
+    return {name: [row[0] for row in sample_with_eval_settings(model, tokenizer, tasks, cfg, autocast, n=1,
+                                                               batch_prompts=max(1, cfg["batch_prompts"] * cfg["n"]),
+                                                               seed=cfg["seed"] + seed_offset)["texts"]]
             for name, tasks in drift_sets.items()}
 
 
@@ -655,29 +655,30 @@ def response_drift(texts, base, drift_sets, dev, cfg, autocast):
     from `bandwidth`), the base's own noise floor (MMD² between two base samples drawn with other
     seeds: what "no drift" looks like at this many prompts), the mean text similarity of paired
     responses and the fraction of identical pairs."""
-    out_ = {}
+    per_set = {}
     for name, tasks in drift_sets.items():
         emb = embed_responses(base["model"], base["tokenizer"], [t["messages"] for t in tasks], texts[name], dev,
                               enable_thinking=cfg["enable_thinking"], autocast=autocast)
         sigma = bandwidth(base["drift_emb"][name], emb)
-        out_[name] = {"mmd2": mmd_rbf(emb, base["drift_emb"][name], sigma) if len(tasks) >= 2 else None, "mmd2_floor": base["mmd2_floor"][name],
-                      "bandwidth": sigma, "text_similarity": text_similarity(texts[name], base["drift_texts"][name]),
-                      "identical": sum(a == b for a, b in zip(texts[name], base["drift_texts"][name])) / len(tasks),
-                      "n_prompts": len(tasks)}
-    return out_
+        per_set[name] = {"mmd2": mmd_rbf(emb, base["drift_emb"][name], sigma) if len(tasks) >= 2 else None,
+                         "mmd2_floor": base["mmd2_floor"][name], "bandwidth": sigma,
+                         "text_similarity": text_similarity(texts[name], base["drift_texts"][name]),
+                         "identical": sum(a == b for a, b in zip(texts[name], base["drift_texts"][name])) / len(tasks),
+                         "n_prompts": len(tasks)}
+    return per_set
 
 
-def drift_of(model_, tokenizer, base, drift_sets, cfg, dev, autocast):
+def drift_of(model, tokenizer, base, drift_sets, cfg, dev, autocast):
     """Parameter and spectral drift, response drift and artifacts (on the drift responses) of one model vs the base."""
-    texts = drift_responses(model_, tokenizer, drift_sets, cfg, autocast) if drift_sets else {}
-    out_ = {"param": param_drift(model_.state_dict(), base["state"]) if base else None,
-            "spectral": spectral_drift(model_.state_dict(), base["state"], cfg["spectral_k"],
-                                       base_cache=base.setdefault("spectral_cache", {}))
-            if base and cfg["spectral_k"] >= 0 else None,
-            "response": response_drift(texts, base, drift_sets, dev, cfg, autocast) if base and drift_sets else {},
-            "artifacts": {name: artifacts_of(tokenizer, tasks, [[t] for t in texts[name]])
-                          for name, tasks in drift_sets.items()}}
-    return out_, texts
+    texts = drift_responses(model, tokenizer, drift_sets, cfg, autocast) if drift_sets else {}
+    drift = {"param": param_drift(model.state_dict(), base["state"]) if base else None,
+             "spectral": spectral_drift(model.state_dict(), base["state"], cfg["spectral_k"],
+                                        base_cache=base.setdefault("spectral_cache", {}))
+             if base and cfg["spectral_k"] >= 0 else None,
+             "response": response_drift(texts, base, drift_sets, dev, cfg, autocast) if base and drift_sets else {},
+             "artifacts": {name: artifacts_of(tokenizer, tasks, [[t] for t in texts[name]])
+                           for name, tasks in drift_sets.items()}}
+    return drift, texts
 
 
 # ----------------------------------------------------------------------------- report
@@ -879,32 +880,32 @@ def main(cfg):
     report = {"written_by": REPORT_MARK, "config": cfg, "model": model_path, "base_model": base_path or None, "eval_sets": names, "ks": ks}
     # both models are loaded (and the prompts fitted to both contexts) before anything is scored
     print(f"model: {model_path}", flush=True)
-    model_, tokenizer = load(model_path, run_cfg, dev)
+    model, tokenizer = load(model_path, run_cfg, dev)
     if base_path:
         print(f"base model: {base_path}", flush=True)
         try:
-            base_model_, base_tok = load(base_path, run_cfg, dev)
+            base_model, base_tok = load(base_path, run_cfg, dev)
         except train.UserError as e:
             raise train.UserError(f"base model: {e} (set --base_model=<folder or HF id>, or --base_model=none)") from None
-    fit_sets(sets, [(model_, tokenizer)] + ([(base_model_, base_tok)] if base_path else []), cfg)
+    fit_sets(sets, [(model, tokenizer)] + ([(base_model, base_tok)] if base_path else []), cfg)
     drift_sets = {name: tasks[:cfg["drift_prompts"]] for name, tasks in sets.items()} if cfg["drift_prompts"] else {}
     # the base model first: it embeds every response for response drift
     base = None
     base_scores = {}
     if base_path:
-        base_scores = score_sets(base_model_, base_tok, sets, cfg, ks, autocast, "base")
-        base = {"model": base_model_, "tokenizer": base_tok, "state": base_model_.state_dict(),
-                "drift_texts": drift_responses(base_model_, base_tok, drift_sets, cfg, autocast), "drift_emb": {},
+        base_scores = accuracy_per_set(base_model, base_tok, sets, cfg, ks, autocast, "base")
+        base = {"model": base_model, "tokenizer": base_tok, "state": base_model.state_dict(),
+                "drift_texts": drift_responses(base_model, base_tok, drift_sets, cfg, autocast), "drift_emb": {},
                 "mmd2_floor": {}}
-        floor_a = drift_responses(base_model_, base_tok, drift_sets, cfg, autocast, seed_offset=1)
-        floor_b = drift_responses(base_model_, base_tok, drift_sets, cfg, autocast, seed_offset=2)
+        floor_a = drift_responses(base_model, base_tok, drift_sets, cfg, autocast, seed_offset=1)
+        floor_b = drift_responses(base_model, base_tok, drift_sets, cfg, autocast, seed_offset=2)
         for name, tasks in drift_sets.items():
-            emb = [embed_responses(base_model_, base_tok, [t["messages"] for t in tasks], texts_[name], dev,
+            emb = [embed_responses(base_model, base_tok, [t["messages"] for t in tasks], responses[name], dev,
                                    enable_thinking=cfg["enable_thinking"], autocast=autocast)
-                   for texts_ in (base["drift_texts"], floor_a, floor_b)]
+                   for responses in (base["drift_texts"], floor_a, floor_b)]
             base["drift_emb"][name] = emb[0]
             base["mmd2_floor"][name] = mmd_rbf(emb[1], emb[2], bandwidth(emb[0], emb[1])) if len(tasks) >= 2 else None
-    scores = score_sets(model_, tokenizer, sets, cfg, ks, autocast, "model")
+    scores = accuracy_per_set(model, tokenizer, sets, cfg, ks, autocast, "model")
 
     report["accuracy"] = {name: {"n_prompts": len(sets[name]), "model": scores[name]["metrics"],
                                  "base": base_scores[name]["metrics"] if base else None,
@@ -917,7 +918,7 @@ def main(cfg):
     matrix = (run or {}).get("matrix")
     report["continual"] = {**matrix, **continual_metrics(matrix)} if matrix and matrix.get("rows") else None
 
-    drift, texts = drift_of(model_, tokenizer, base, drift_sets, cfg, dev, autocast)
+    drift, texts = drift_of(model, tokenizer, base, drift_sets, cfg, dev, autocast)
     drift["drift_artifacts"] = drift.pop("artifacts")  # on the drift responses: comparable with stage_drift's
     drift["artifacts"] = {name: {"model": scores[name]["artifacts"], "base": base_scores[name]["artifacts"] if base else None}
                           for name in names}  # on every eval sample
@@ -928,7 +929,7 @@ def main(cfg):
                                  "base": base["drift_texts"][name][i] if base else None}
                                 for i in range(min(3, len(tasks)))] for name, tasks in drift_sets.items()}
     report["drift"] = drift
-    del model_
+    del model
 
     report["stage_drift"] = []
     if run and cfg["stage_drift"] and run["snapshots"]:

@@ -107,16 +107,28 @@ def body_forward(body, input_ids, attention_mask, position_ids=None, cache=None)
 
 
 def lm_head(model):
-    """(weight [V, H], scale): the model's logits are scale · (h @ weight.T) of its body's hidden states."""
-    return model.get_output_embeddings().weight, model.logit_scale_for_nanosdpo
+    """(weight [V, H], scale): the model's logits are scale · (h @ weight.T) of its body's hidden states.
+    A pure lookup (check_model holds it against the model's own logits once, at load)."""
+    return model.get_output_embeddings().weight, logit_scale(model.config.get_text_config())
+
+
+def logit_scale(config):
+    """The factor a model's forward applies to h @ Wᵀ, as its config declares it: 1/logits_scaling
+    (Granite), logit_scale (Cohere), else 1."""
+    scale = 1.0
+    if getattr(config, "logits_scaling", None):
+        scale /= config.logits_scaling
+    if getattr(config, "logit_scale", None):
+        scale *= config.logit_scale
+    return float(scale)
 
 
 @torch.no_grad()
 def check_model(model):
-    """Take the model's LM head apart, or refuse it in one line (ModelError); sets its logit scale.
+    """Take the model's LM head apart, or refuse it in one line (ModelError).
 
-    On 8 tokens: the model's own logits against scale · (h @ Wᵀ), with the scale that fits best
-    (1/logits_scaling for Granite, logit_scale for Cohere, 1 for most); then a left-padded prefill
+    On 8 tokens: the model's own logits against scale · (h @ Wᵀ), with the scale lm_head reads from
+    its config (1/logits_scaling for Granite, logit_scale for Cohere, 1 for most); then a left-padded prefill
     into a DynamicCache continued at explicit positions, the pattern of the rollout and the teacher
     forward, against one plain forward (recurrent and hybrid models keep state outside the cache)."""
     name, config = type(model).__name__, model.config.get_text_config()
@@ -140,12 +152,15 @@ def check_model(model):
         except Exception as e:  # a model whose own forward fails here (an HF bug, an odd config): one line
             raise ModelError(f"{name}: its forward fails on 8 tokens ({type(e).__name__}: {' '.join(str(e).split())[:200]})") from None
         raw = (body_forward(decoder_body(model), ids, mask) @ head.weight.T).double()
-        scale = (want * raw).sum().item() / max((raw * raw).sum().item(), 1e-30)
-        err = (want - scale * raw).abs().max().item()
-        if want.shape != raw.shape or err > 1e-4 * (1 + want.abs().max().item()):
+        scale, tolerance = lm_head(model)[1], 1e-4 * (1 + want.abs().max().item())
+        err = (want - scale * raw).abs().max().item() if want.shape == raw.shape else math.inf
+        if err > tolerance:
+            fitted = (want * raw).sum().item() / max((raw * raw).sum().item(), 1e-30) if want.shape == raw.shape else 0
+            if fitted and (want - fitted * raw).abs().max().item() <= tolerance:
+                raise ModelError(f"{name}: its logits are h @ Wᵀ scaled by {fitted:.6g}, not by the {scale:.6g} its config "
+                                 "declares (logits_scaling / logit_scale): nanoSDPO's LM-head loss does not support it")
             raise ModelError(f"{name}: its logits are not a scaled h @ Wᵀ of its body's hidden states "
                              f"(max |Δ| {err:.3g}): nanoSDPO's LM-head loss does not support this architecture")
-        model.logit_scale_for_nanosdpo = scale if abs(scale - 1) > 1e-6 else 1.0
         # the rollout / teacher pattern: prefill 2 left-padded prompts, pick rows, continue at positions
         prompt = ((torch.arange(10, device=dev) * 7919 + 11) % vocab).view(2, 5)
         p_mask = torch.ones_like(prompt)

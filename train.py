@@ -82,7 +82,7 @@ from tqdm import tqdm
 
 import checkpoint
 import metrics
-from configurator import UserError, check_seed, check_template, require
+from configurator import UserError, check_seed, check_template, check_values, parse_stages, require
 from metrics import Collapse, accuracy_summary
 from data import checkers, tasks as task_files
 from decoding import StepMemory, forward_with_cache, new_cache, static_decoding, use_static_rollout
@@ -221,19 +221,7 @@ def check_config(cfg):
     """Validate values that a type check cannot: choices, ranges, formats, combinations."""
     if cfg["dtype"] == "float16":  # per-token gradients (~1e-9) flush to zero in fp16 without loss scaling
         raise UserError("dtype=float16 is not supported (no loss scaling: its small gradients flush to zero): use bfloat16")
-    for key, options in CHOICES.items():
-        if cfg[key] not in options:
-            raise UserError(f"{key}={cfg[key]!r} is not one of {', '.join(options)}")
-    for key, (low, high, low_ok) in RANGES.items():
-        v = cfg[key]
-        if not ((v >= low if low_ok else v > low) and v <= high):
-            raise UserError(f"{key}={v} is out of range {'[' if low_ok else '('}{low}, {high}]")
-    for key in POSITIVE:
-        if cfg[key] <= 0:
-            raise UserError(f"{key}={cfg[key]} must be positive")
-    for key in NON_NEGATIVE:
-        if cfg[key] < 0:
-            raise UserError(f"{key}={cfg[key]} must be >= 0")
+    check_values(cfg, choices=CHOICES, ranges=RANGES, positive=POSITIVE, non_negative=NON_NEGATIVE)
     if not 0 <= cfg["min_lr"] <= cfg["learning_rate"]:
         raise UserError(f"min_lr={cfg['min_lr']} must be in [0, learning_rate={cfg['learning_rate']}]")
     if cfg["algo"] != "sft" and cfg["group_size"] < 2:
@@ -253,19 +241,6 @@ def check_config(cfg):
     for key, names in {"reprompt_template": "prompt solution feedback", "solution_template": "solution",
                         "feedback_template": "feedback"}.items():  # each tried now, not at the first teacher prompt
         check_template(key, cfg[key], names.split())
-
-
-def parse_stages(stages, dataset, max_iters):
-    """'a:100,b:50' -> [('a', 100), ('b', 50)]; '' -> [(dataset, max_iters)]."""
-    if not stages:
-        return [(dataset, max_iters)]
-    out = []
-    for part in stages.split(","):
-        name, sep, iters = part.strip().rpartition(":")
-        if not sep or not name or not iters.isdigit() or int(iters) <= 0:
-            raise UserError(f"stages entry {part!r} is not 'dataset:iters' (e.g. stages='toy/add:200,toy/mul:200')")
-        out.append((name, int(iters)))
-    return out
 
 
 # ----------------------------------------------------------------------------- data
@@ -664,9 +639,9 @@ def make_loss_fn(*, algo, old_logp, ref_logp, advantage, pg_weight, distill_weig
 
 
 def _divergence(s, t, alpha):
-    """Divergence between row distributions given as log-probs s (student) and t (teacher),
-    reduced over the last dim. alpha=0: KL(q‖p), alpha=1: KL(p‖q), otherwise the generalized JSD
-    with mixture m = (1-alpha) p + alpha q: (1-alpha) KL(p‖m) + alpha KL(q‖m)."""
+    """Divergence between row distributions given as log-probs s (student, p = exp s) and t (teacher,
+    q = exp t), reduced over the last dim. alpha=0: forward KL(q‖p), alpha=1: reverse KL(p‖q), otherwise
+    the generalized JSD with mixture m = (1-alpha) p + alpha q: (1-alpha) KL(p‖m) + alpha KL(q‖m)."""
     if alpha == 0:
         return (t.exp() * (t - s)).sum(-1)
     if alpha == 1:
@@ -710,10 +685,8 @@ def distill_divergence(student_logits, teacher_logits, alpha, distill, topk, tai
 
 def _div_rows(hidden, teacher, div_rows):
     """The rows that get a divergence: all of them by default when there is a teacher, none without."""
-    if teacher is None:
-        return torch.zeros(hidden.shape[0], dtype=torch.bool, device=hidden.device)
-    if div_rows is None:
-        return torch.ones(hidden.shape[0], dtype=torch.bool, device=hidden.device)
+    if teacher is None or div_rows is None:
+        return torch.full((hidden.shape[0],), teacher is not None, dtype=torch.bool, device=hidden.device)
     return div_rows
 
 
@@ -895,7 +868,7 @@ def optimizer_step(model, optimizer, grad_clip):
 
 # ----------------------------------------------------------------------------- eval
 @torch.no_grad()
-def evaluate(model, tokenizer, tasks, *, n, temperature, top_p, max_new_tokens, batch_prompts, generator,
+def sample_and_score(model, tokenizer, tasks, *, n, temperature, top_p, max_new_tokens, batch_prompts, generator,
              enable_thinking=False, success_threshold=1.0, progress=False, static=False, max_rows=0,
              math_checker="builtin"):
     """Sample n responses per task; return mean@n, pass@n, mean length, and per-task scores/texts."""
@@ -1025,7 +998,7 @@ def fit_prompts(train_tasks, eval_tasks, model, tokenizer, cfg, log):
     return {name: fit(d, f"{name} (eval teacher prompts)", cap=limit, required=False) for name, d in demos.items() if d}
 
 
-def run_eval(run, cfg, ddp, tag):
+def score_and_log_eval_sets(run, cfg, ddp, tag):
     """Score every eval set (tasks sharded over ranks), log one record with a key per set (eval/<set>/
     mean@n, so wandb keeps every curve), and return {set: mean@n}, {set: mean response length}. An SDPO
     run also scores its teacher reading each prompt with the reference solution as the demonstration
@@ -1035,29 +1008,29 @@ def run_eval(run, cfg, ddp, tag):
     generators = [make_generator(cfg["seed"] + k + ddp.rank, ddp.device) for k in (1, 2)]  # the same samples each eval
     row, lengths, record = {}, {}, {"iter": state.iter, "eval_tag": tag}
     for name, tasks in run.eval_tasks.items():
-        acc, lengths[name] = score_set(run, cfg, ddp, run.model, tasks, generators[0])
+        acc, lengths[name] = score_across_ranks(run, cfg, ddp, run.model, tasks, generators[0])
         row[name] = acc[f"mean@{n}"]
         record.update({f"eval/{name}/{k}": v for k, v in acc.items()}, **{f"eval/{name}/mean_len": lengths[name]})
         if cfg["algo"] != "sdpo" or teacher is None:
             continue
         demos = run.eval_demos.get(name)
         if demos:
-            record[f"eval/{name}/teacher_mean@{n}"] = score_set(run, cfg, ddp, teacher, demos, generators[1])[0][f"mean@{n}"]
+            record[f"eval/{name}/teacher_mean@{n}"] = score_across_ranks(run, cfg, ddp, teacher, demos, generators[1])[0][f"mean@{n}"]
     run.log.record(record)
     run.log.say(f"eval @ iter {state.iter} ({tag}): " + ", ".join(f"{k} mean@{n} {v:.3f}" for k, v in row.items()))
     return row, lengths
 
 
-def score_set(run, cfg, ddp, model, tasks, generator):
+def score_across_ranks(run, cfg, ddp, model, tasks, generator):
     """mean@n / pass@n and the mean response length of `model` on one eval set, over every rank."""
     n = cfg["eval_n"]
     with make_autocast(ddp.device, cfg["dtype"])():
-        res = evaluate(model, run.tokenizer, tasks[ddp.rank::ddp.world], n=n, temperature=cfg["eval_temperature"],
-                       top_p=cfg["eval_top_p"], max_new_tokens=cfg["max_new_tokens"],
-                       batch_prompts=max(1, cfg["batch_prompts"] * cfg["group_size"] // n), generator=generator,
-                       enable_thinking=cfg["enable_thinking"], success_threshold=cfg["success_threshold"],
-                       static=use_static_rollout(cfg["static_rollout"], ddp.device), max_rows=cfg["gen_batch_size"],
-                       progress=ddp.master, math_checker=cfg["math_checker"])
+        res = sample_and_score(model, run.tokenizer, tasks[ddp.rank::ddp.world], n=n, temperature=cfg["eval_temperature"],
+                               top_p=cfg["eval_top_p"], max_new_tokens=cfg["max_new_tokens"],
+                               batch_prompts=max(1, cfg["batch_prompts"] * cfg["group_size"] // n), generator=generator,
+                               enable_thinking=cfg["enable_thinking"], success_threshold=cfg["success_threshold"],
+                               static=use_static_rollout(cfg["static_rollout"], ddp.device), max_rows=cfg["gen_batch_size"],
+                               progress=ddp.master, math_checker=cfg["math_checker"])
     per_rank = ddp.gather((res["scores"], res["mean_len"] * n * len(res["scores"])))
     scores = [row for rank_scores, _ in per_rank for row in rank_scores]
     return accuracy_summary(scores, threshold=cfg["success_threshold"]), sum(t for _, t in per_rank) / (n * len(scores))
@@ -1098,7 +1071,7 @@ def start_stage(run, cfg):
 def end_stage(run, cfg, ddp, stage, name):
     """A row of the accuracy matrix (every eval set), a model snapshot, a checkpoint."""
     state = run.state
-    row, lengths = run_eval(run, cfg, ddp, f"end of stage {stage + 1}")
+    row, lengths = score_and_log_eval_sets(run, cfg, ddp, f"end of stage {stage + 1}")
     passed = row if metrics.check_eval(state.guard, row, lengths, cfg, metrics.trained_sets(run.stages, name)) else None
     state.accuracy_matrix["stages"].append(name)
     state.accuracy_matrix["rows"].append([row[s] for s in run.eval_names])
@@ -1138,7 +1111,7 @@ def train_loop(run, cfg, ddp):
     step_memory, batch, my_tasks, stuck = StepMemory(), None, None, {}
     log_vocab = math.log(model.get_output_embeddings().weight.shape[0])  # the runaway-loss guard's scale
     if state.iter == 0:  # the initial model: the guard's first bests, and ckpt_good until an eval passes
-        base = run_eval(run, cfg, ddp, "start")[0]
+        base = score_and_log_eval_sets(run, cfg, ddp, "start")[0]
         state.accuracy_matrix = {"eval_sets": run.eval_names, "stages": [], "rows": [], "base": base}
         state.guard = metrics.Guard(best=dict(base))
         save_checkpoint(run, cfg, ddp, passed=base)
@@ -1189,7 +1162,7 @@ def train_loop(run, cfg, ddp):
             eval_due = not last and cfg["eval_interval"] and state.stage_iter % cfg["eval_interval"] == 0
             if eval_due:
                 run.log.samples(metrics.sample_rows(batch, my_tasks, cfg["group_size"], detokenize, state.iter))
-                row, lengths = run_eval(run, cfg, ddp, "periodic")
+                row, lengths = score_and_log_eval_sets(run, cfg, ddp, "periodic")
                 passed = row if metrics.check_eval(state.guard, row, lengths, cfg, trained) else None  # may stop
             if (eval_due and not cfg["save_interval"]) or (
                     cfg["save_interval"] and state.iter % cfg["save_interval"] == 0 and not last):
@@ -1201,14 +1174,10 @@ def train_loop(run, cfg, ddp):
 
 
 # ============================================================================= appendix: the fused loss
-# The same loss as naive_token_loss, computed in chunks (fused_loss=True, the default): nothing
-# above needs reading it to follow the algorithm; fused_token_loss is called where
-# naive_token_loss is (loss_backward), with the same arguments and result, and tests/test_loss.py
-# holds the two to each other. Without any [N, V] tensor: rows are processed in chunks, and
-# the gradients for hidden and weight are computed during the forward, so no [chunk, V] tensor
-# outlives its chunk. The matmuls run in the matmul dtype (bf16 under autocast: tensor cores,
-# fp32 accumulation inside each product); the softmax and divergence maths is fp32 (fp64 for
-# fp64 inputs, for the tests).
+# The same loss as naive_token_loss, computed in chunks (fused_loss=True, the default): nothing above
+# needs reading it to follow the algorithm. fused_token_loss (at the end) is called where
+# naive_token_loss is, with the same arguments and result; tests/test_loss.py holds the two to each
+# other. Products in the matmul dtype (bf16 under autocast), softmax and divergence maths in fp32.
 
 def _logits_into(buf, parts, transposed=False):
     """sum_i h_i @ w_i.T over parts [(h_i [c, H], w_i [V, H])] as fp32 (the buffer's dtype) [c, V],
@@ -1263,8 +1232,8 @@ def _gathered_logits(parts, idx, max_elems):
 
 
 def _full_divergence_and_grad(s, t, p, alpha):
-    """Full-vocab divergence [n] of student log-probs s from teacher log-probs t (p = exp(s)) and
-    its gradient w.r.t. the student logits [n, V], in closed form. s is used as scratch."""
+    """Full-vocab divergence [n] of student log-probs s from teacher log-probs t (student p = exp(s),
+    teacher q = exp(t)) and its gradient w.r.t. the student logits [n, V], in closed form. s is scratch."""
     if alpha == 0:  # KL(q||p); grad p - q
         q = t.exp()
         d = (q * (t - s)).sum(1)

@@ -21,4 +21,8 @@ assert torch.__version__.split('+')[0] == '2.13.0' and transformers.__version__ 
 fi
 "$venv/bin/python" -c "import torch, transformers; print(f'old versions: torch {torch.__version__}, transformers {transformers.__version__}')"
 OMP_NUM_THREADS=1 "$venv/bin/python" -m pytest -q -p no:cacheprovider \
-    tests/test_models.py tests/test_rollout.py tests/test_loss.py tests/test_train.py
+    tests/test_models.py tests/test_rollout.py tests/test_loss.py tests/test_step.py tests/test_loss_weights.py \
+    tests/test_teacher_context.py tests/test_teacher.py tests/test_train.py \
+    tests/test_run_folder.py::test_resume_continues_exactly \
+    tests/test_run_folder.py::test_a_fresh_run_into_an_earlier_run_refuses_unless_told_to_overwrite \
+    tests/test_guard.py::test_collapse_guard_stops_on_nan_and_keeps_a_loadable_checkpoint

@@ -26,7 +26,7 @@ max_new_tokens = 4096
 max_reprompt_len = 10240
 # the references' normalisation: each response's token mean, averaged over all responses
 distill_agg = "seq-mean"
-# memory: decode 32 rows at a time, recompute blocks in the backward (~115 GB estimated)
+# memory: decode 32 rows at a time, recompute blocks in the backward (123 GB peak estimated: sdpo_math.py's)
 gen_batch_size = 32
 grad_checkpointing = True
 micro_batch_size = 8

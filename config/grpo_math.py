@@ -1,6 +1,6 @@
 # GRPO on math at the paper's settings: train.py's defaults are GRPO's (no std normalisation, clip
 # 0.2 / 0.28, no KL, 32 prompts x 8 rollouts, lr 1e-5), and the model, data, budget and memory
-# knobs are sdpo_math.py's, so the two runs compare side by side (~88 GB estimated).
+# knobs are sdpo_math.py's, so the two runs compare side by side (121 GB peak estimated: the static KV cache stays beside the train step).
 #   python train.py config/grpo_math.py
 out_dir = "out/grpo_math"
 # the model, thinking off

@@ -37,9 +37,10 @@ distill_agg = "seq-mean"
 max_iters = 200
 eval_interval = 25
 save_interval = 25
-# memory: decode 32 rows at a time, recompute blocks in the backward, 4 sequences a micro-batch (LCB
-# prompts run to ~2k tokens): ~122 GB estimated with
+# memory: decode 24 rows (3 groups) at a time, recompute blocks in the backward, 4 sequences a micro-batch
+# (LCB prompts run to ~2k tokens): 117.5 GB peak estimated (130.5 GB with the allocator's slack; 32 rows
+# would need 141.3) with
 #   python tests/bench/memory_estimate.py --config=config/sdpo_code.py --prompt_tokens=2048
-gen_batch_size = 32
+gen_batch_size = 24
 grad_checkpointing = True
 micro_batch_size = 4

@@ -1,6 +1,6 @@
 # SDPO on math at the paper's settings (arXiv 2607.01763): train.py's defaults are those settings
 # (32 prompts x 8 rollouts, lr 1e-5, 10 warmup steps, EMA teacher tau 0.05, alpha 0.5, top-100 +
-# tail, IS clip 2), so only what differs is set here. Needs an H200-class GPU (~115 GB estimated:
+# tail, IS clip 2), so only what differs is set here. Needs an H200-class GPU (123.2 GB peak estimated, 136.9 GB with the allocator's slack:
 # python tests/bench/memory_estimate.py --config=config/sdpo_math.py) and the data:
 #   python data/dapo_math/prepare.py && python data/math500/prepare.py && python data/aime/prepare.py && python data/amc23/prepare.py
 #   python train.py config/sdpo_math.py --density=0.5

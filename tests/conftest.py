@@ -1,6 +1,8 @@
-"""Shared fixtures: the toy data (prepared once), a tiny model config, a train.py runner."""
+"""Shared fixtures and helpers: the toy data (prepared once), a tiny model config, a train.py runner, and
+the small models, batches and finished runs several phase files use (no test file imports another)."""
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -65,3 +67,99 @@ def smollm2_dir():
     if missing:
         pytest.skip(f"the real-model tier needs {', '.join(missing)}: {smollm2.INSTALL}")
     return smollm2.converted_model()
+
+
+# ----------------------------------------------------------------------------- helpers several phase files share
+def math_isfinite(x):
+    return x == x and abs(x) != float("inf")
+
+
+def one_line_error(proc):
+    """A script's failure as the user sees it: non-zero exit, one stderr line 'error: ...' (returned)."""
+    assert proc.returncode != 0, proc.stdout[-2000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr[-2000:]
+    return lines[0]
+
+
+def tiny_qwen2(vocab=20, seed=0):
+    """A random 2-layer Qwen2 (eval mode) with a small vocab, for rollout and teacher checks."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    torch.manual_seed(seed)
+    cfg = Qwen2Config(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True)
+    return Qwen2ForCausalLM(cfg).eval()
+
+
+def tiny_setup(toy_data, algo, **overrides):
+    """(cfg, model, tokenizer): train.py's defaults with a 1-layer toy model built from scratch."""
+    import models
+    cfg = dict(defaults(), algo=algo, tokenizer_path=os.path.join(toy_data, "toy", "tokenizer"), n_layer=1, n_head=2,
+               n_embd=32, block_size=128, micro_batch_size=3, topk=10, loss_chunk=7)
+    cfg.update(overrides)
+    model, tokenizer = models.load_model("scratch", torch.device("cpu"), scratch=cfg)
+    return cfg, model, tokenizer
+
+
+def hand_made_batch(tokenizer, with_teacher):
+    """Two groups' worth of responses with non-zero advantages and (optionally) teacher prompts."""
+    import train
+    msgs = lambda q: [{"role": "user", "content": q}]  # noqa: E731
+    prompts = [train.prompt_ids(tokenizer, msgs(q)) for q in ("12+30", "12+30", "sort cab", "sort cab")]
+    responses = [tokenizer.encode(r, add_special_tokens=False) + [tokenizer.eos_token_id]
+                 for r in ("\\boxed{42}", "\\boxed{41}", "<answer>abc</answer>", "<answer>acb</answer>")]
+    lengths = [len(r) for r in responses]
+    teacher = [train.prompt_ids(tokenizer, msgs("12+30\n\nCorrect solution:\n\n\\boxed{42}"))] * 2 + \
+              [train.prompt_ids(tokenizer, msgs("sort cab\n\nCorrect solution:\n\n<answer>abc</answer>"))] * 2
+    total = sum(lengths)
+    return train.Batch(prompt_ids=prompts, response_ids=responses, old_logprobs=[torch.full((n,), -4.6) for n in lengths],
+                       truncated=[False] * 4, advantages=[0.5, -0.5, 0.5, -0.5],
+                       pg_weight=[torch.full((n,), 1.0 / total) for n in lengths],
+                       distill_weight=[torch.full((n,), 1.0 / total if with_teacher else 0.0) for n in lengths],
+                       teacher_prompt_ids=teacher if with_teacher else [None] * 4)
+
+
+# a tiny SFT run, the same whether it runs as `python train.py *RUN` or in-process as train.main(cli_cfg())
+RUN = ["config/toy_base.py", *TINY, "--stages=", "--eval_sets=", "--dataset=toy/add", "--max_iters=2", "--device=cpu",
+       f"--data_dir={os.path.join(ROOT, 'data')}", f"--tokenizer_path={os.path.join(ROOT, 'data', 'toy', 'tokenizer')}"]
+
+
+def cli_cfg(*args):
+    """The config `python train.py *RUN *args` runs with."""
+    import train
+    from configurator import configure
+    return configure(dict(vars(train)), [*RUN, *args], train.__file__)
+
+
+def tiny_cfg(toy_data, out, **overrides):
+    """A tiny run for train.main(), in-process (seconds, no interpreter start)."""
+    return dict(cli_cfg(), out_dir=str(out), **overrides)
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory, toy_data):
+    """A finished 2-iteration SFT run (its folder is copied by the tests that change it)."""
+    import train
+    out = tmp_path_factory.mktemp("finished") / "run"
+    train.main(tiny_cfg(toy_data, out))
+    return out
+
+
+def copy_of(run, tmp_path):
+    dst = tmp_path / "run"
+    shutil.copytree(run, dst)
+    return dst
+
+
+def listing(folder):
+    """Every file under folder with its bytes' hash: 'nothing changed' means equal listings (the lock
+    files aside: .lock names the pid of the last run that held it)."""
+    out = {}
+    for root, _, files in os.walk(folder):
+        for f in files:
+            if f in (".lock", ".ckpt.lock"):
+                continue
+            path = os.path.join(root, f)
+            with open(path, "rb") as fh:
+                out[os.path.relpath(path, folder)] = hash(fh.read())
+    return out

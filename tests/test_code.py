@@ -571,7 +571,7 @@ def test_check_batch_scores_a_mixed_batch_like_one_reward_call_each():
 
 
 def test_the_loop_scores_a_rollout_through_the_pool_as_one_reward_call_each():
-    """train.rewards_of (build_batch's and evaluate's scoring) = train.reward per response, the code
+    """train.rewards_of (build_batch's and sample_and_score's scoring) = train.reward per response, the code
     ones run together on the sandbox pool."""
     tasks_ = [{"kind": "code", "answer": ADD}, {"kind": "math", "answer": "4"}, {"kind": "code", "answer": ADD}]
     responses = [py("a, b = map(int, input().split())\nprint(a + b)"), "\\boxed{4}", py("print(0)")]

@@ -1,62 +1,42 @@
-"""eval.py: continual metrics, MMD, parameter and spectral drift, format artifacts, pass@k, and a run end to end."""
-import json
+"""Eval (eval.py and sample.py): accuracy (mean@n, pass@k), parameter, spectral and response drift,
+format artifacts, the report and its user errors; sample.py at temperature 0."""
 import math
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
-
-from conftest import ROOT, TINY, run_train
 
 import eval as ev
 import train
 from data import checkers
 
 
-# ----------------------------------------------------------------------------- continual metrics
-MATRIX = {"eval_sets": ["A", "B", "C"], "stages": ["A", "B", "C"], "base": {"A": 0.1, "B": 0.2, "C": 0.3},
-          "rows": [[0.8, 0.3, 0.3],
-                   [0.6, 0.9, 0.4],
-                   [0.5, 0.7, 0.95]]}
+def test_pass_at_k_sanity():
+    scores = [[1, 0, 0, 1], [0, 0, 0, 0], [1, 1, 1, 1], [0, 0, 1, 0]]
+    s = train.accuracy_summary(scores, [1, 2, 4, 8])
+    assert s["mean@4"] == pytest.approx(7 / 16)
+    assert s["pass@1"] == pytest.approx(s["mean@4"])  # k = 1 is the mean accuracy
+    assert s["pass@4"] == pytest.approx(3 / 4)  # k = n: any correct
+    assert s["pass@2"] == pytest.approx(((1 - 1 / 6) + 0 + 1 + 0.5) / 4)  # 1 - C(n-c,2)/C(n,2)
+    assert "pass@8" not in s  # k > n is dropped
+    for n in range(1, 9):
+        for c in range(n + 1):
+            assert train.metrics.pass_at_k(n, c, 1) == pytest.approx(c / n)
+            assert train.metrics.pass_at_k(n, c, n) == (1.0 if c else 0.0)
+            assert all(train.metrics.pass_at_k(n, c, k) <= train.metrics.pass_at_k(n, c, k + 1) + 1e-12 for k in range(1, n))
+    assert ev.parse_ks("16,1,4", 4) == [1, 4] and ev.parse_ks("16", 2) == [2]
+    with pytest.raises(train.UserError):
+        ev.parse_ks("1,x", 4)
 
 
-def test_continual_metrics_on_a_hand_made_matrix():
-    c = ev.continual_metrics(MATRIX)
-    assert c["avg_final"] == pytest.approx((0.5 + 0.7 + 0.95) / 3)
-    # A and B were trained on before the last stage; C only in the last one: no forgetting defined
-    assert c["forgetting"]["A"] == pytest.approx(0.8 - 0.5)
-    assert c["forgetting"]["B"] == pytest.approx(0.9 - 0.7)
-    assert c["forgetting"]["C"] is None
-    assert c["avg_forgetting"] == pytest.approx(0.25)
-    # max drop covers every set, the base included
-    assert c["max_drop"] == pytest.approx({"A": 0.3, "B": 0.2, "C": 0.4 - 0.95})
-    assert c["bwt"] == pytest.approx(((0.5 - 0.8) + (0.7 - 0.9)) / 2)   # -0.25
-    assert c["fwt"] == pytest.approx(((0.3 - 0.2) + (0.4 - 0.3)) / 2)   # 0.1
-    assert c["gain"] == pytest.approx([0.8 - 0.1, 0.9 - 0.3, 0.95 - 0.4])
-    assert c["stage_columns"] == [[0], [1], [2]]
+def test_parse_eval_sets_expands_presets():
+    presets = {"math": ["math500", "aime"], "tool": ["tooluse"]}
+    assert ev.parse_eval_sets("math,toy/add,aime", presets) == ["math500", "aime", "toy/add"]
+    assert ev.parse_eval_sets("", presets) == []
+    from data.common import EVAL_PRESETS
+    assert ev.parse_eval_sets("paper", EVAL_PRESETS) == EVAL_PRESETS["paper"]
 
 
-def test_continual_metrics_mixed_stage_unevaluated_stage_and_single_stage():
-    m = {"eval_sets": ["A", "B", "C"], "stages": ["A+B", "D", "C"], "base": {"A": 0.0, "B": 0.0, "C": 0.2},
-         "rows": [[0.6, 0.4, 0.2], [0.5, 0.2, 0.3], [0.3, 0.1, 0.9]]}
-    c = ev.continual_metrics(m)
-    assert c["stage_columns"] == [[0, 1], [], [2]]
-    # stage 'A+B' contributes the mean over its two sets; stage 'D' (not evaluated) is skipped
-    assert c["bwt"] == pytest.approx(((0.3 - 0.6) + (0.1 - 0.4)) / 2)
-    assert c["fwt"] == pytest.approx(0.3 - 0.2)
-    assert c["forgetting"]["A"] == pytest.approx(0.3) and c["forgetting"]["B"] == pytest.approx(0.3)
-    assert c["forgetting"]["C"] is None and c["gain"][1] is None
-    one = ev.continual_metrics({"eval_sets": ["A", "B"], "stages": ["A"], "base": {"A": 0.1, "B": 0.5},
-                                "rows": [[0.7, 0.4]]})
-    assert one["avg_final"] == pytest.approx(0.55)
-    assert one["bwt"] is None and one["fwt"] is None and one["avg_forgetting"] is None
-    assert one["forgetting"] == {"A": None, "B": None}
-    assert one["max_drop"] == pytest.approx({"A": 0.1 - 0.7, "B": 0.1})
-
-
-# ----------------------------------------------------------------------------- MMD
 def brute_mmd2(x, y, sigma):
     k = lambda a, b: math.exp(-float(((a - b) ** 2).sum()) / (2 * sigma ** 2))  # noqa: E731
     m, n = len(x), len(y)
@@ -105,7 +85,22 @@ def test_text_similarity():
     assert ev.text_similarity([], []) is None
 
 
-# ----------------------------------------------------------------------------- parameter drift
+def test_embed_responses_on_a_tiny_model(toy_data):
+    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+    tok = AutoTokenizer.from_pretrained(os.path.join(toy_data, "toy", "tokenizer"))
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=2))
+    msgs = [[{"role": "user", "content": q}] for q in ("12+30", "sort cab", "12+30")]
+    e = ev.embed_responses(model, tok, msgs, ["\\boxed{42}", "<answer>abc</answer>", "\\boxed{42}"],
+                           torch.device("cpu"), batch=2)
+    assert e.shape == (3, 32) and e.dtype == torch.float32
+    assert torch.allclose(e[0], e[2], atol=1e-5)  # same prompt and text, across batches: same embedding
+    assert not torch.allclose(e[0], e[1])
+    empty = ev.embed_responses(model, tok, msgs[:1], [""], torch.device("cpu"))  # EOS only: still defined
+    assert torch.isfinite(empty).all()
+
+
 def tiny_model(seed=0):
     from transformers import Qwen2Config, Qwen2ForCausalLM
     torch.manual_seed(seed)
@@ -160,7 +155,6 @@ def test_module_type():
     assert ev.module_type("model.embed_tokens.weight") == "embed"
 
 
-# ----------------------------------------------------------------------------- spectral drift
 def random_orthogonal(n, generator):
     q, r = torch.linalg.qr(torch.randn(n, n, dtype=torch.float64, generator=generator))
     return q * torch.sign(torch.diagonal(r))  # Haar-distributed
@@ -276,7 +270,6 @@ def test_spectral_k_for():
     assert ev.spectral_k_for((128, 512), 200) == 128 and ev.spectral_k_for((128, 512), 5) == 5
 
 
-# ----------------------------------------------------------------------------- format artifacts
 def test_foreign_formats():
     assert ev.foreign_formats("so <answer>abc</answer>", "exact") == []
     assert ev.foreign_formats("\\boxed{abc}", "exact") == ["boxed"]
@@ -327,110 +320,6 @@ def test_final_answer_and_artifact_rates():
     assert ev.format_artifacts([], [], [])["foreign_format"] is None
 
 
-# ----------------------------------------------------------------------------- pass@k
-def test_pass_at_k_sanity():
-    scores = [[1, 0, 0, 1], [0, 0, 0, 0], [1, 1, 1, 1], [0, 0, 1, 0]]
-    s = train.accuracy_summary(scores, [1, 2, 4, 8])
-    assert s["mean@4"] == pytest.approx(7 / 16)
-    assert s["pass@1"] == pytest.approx(s["mean@4"])  # k = 1 is the mean accuracy
-    assert s["pass@4"] == pytest.approx(3 / 4)  # k = n: any correct
-    assert s["pass@2"] == pytest.approx(((1 - 1 / 6) + 0 + 1 + 0.5) / 4)  # 1 - C(n-c,2)/C(n,2)
-    assert "pass@8" not in s  # k > n is dropped
-    for n in range(1, 9):
-        for c in range(n + 1):
-            assert train.metrics.pass_at_k(n, c, 1) == pytest.approx(c / n)
-            assert train.metrics.pass_at_k(n, c, n) == (1.0 if c else 0.0)
-            assert all(train.metrics.pass_at_k(n, c, k) <= train.metrics.pass_at_k(n, c, k + 1) + 1e-12 for k in range(1, n))
-    assert ev.parse_ks("16,1,4", 4) == [1, 4] and ev.parse_ks("16", 2) == [2]
-    with pytest.raises(train.UserError):
-        ev.parse_ks("1,x", 4)
-
-
-def test_parse_eval_sets_expands_presets():
-    presets = {"math": ["math500", "aime"], "tool": ["tooluse"]}
-    assert ev.parse_eval_sets("math,toy/add,aime", presets) == ["math500", "aime", "toy/add"]
-    assert ev.parse_eval_sets("", presets) == []
-    from data.common import EVAL_PRESETS
-    assert ev.parse_eval_sets("paper", EVAL_PRESETS) == EVAL_PRESETS["paper"]
-
-
-# ----------------------------------------------------------------------------- embeddings, plots
-def test_embed_responses_on_a_tiny_model(toy_data):
-    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
-    tok = AutoTokenizer.from_pretrained(os.path.join(toy_data, "toy", "tokenizer"))
-    torch.manual_seed(0)
-    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                         num_attention_heads=2, num_key_value_heads=2))
-    msgs = [[{"role": "user", "content": q}] for q in ("12+30", "sort cab", "12+30")]
-    e = ev.embed_responses(model, tok, msgs, ["\\boxed{42}", "<answer>abc</answer>", "\\boxed{42}"],
-                           torch.device("cpu"), batch=2)
-    assert e.shape == (3, 32) and e.dtype == torch.float32
-    assert torch.allclose(e[0], e[2], atol=1e-5)  # same prompt and text, across batches: same embedding
-    assert not torch.allclose(e[0], e[1])
-    empty = ev.embed_responses(model, tok, msgs[:1], [""], torch.device("cpu"))  # EOS only: still defined
-    assert torch.isfinite(empty).all()
-
-
-def test_plots_need_matplotlib(tmp_path):
-    report = {"continual": {**MATRIX, **ev.continual_metrics(MATRIX)}, "stage_drift": [], "drift": {}}
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        with pytest.raises(train.UserError, match="pip install matplotlib"):
-            ev.write_plots(report, str(tmp_path / "eval"))
-        return
-    paths = ev.write_plots(report, str(tmp_path / "eval"))
-    assert paths and all(os.path.getsize(p) > 0 for p in paths)
-
-
-# ----------------------------------------------------------------------------- end to end
-def test_two_stage_run_then_eval(toy_data, tmp_path):
-    run = str(tmp_path / "run")
-    run_train("config/toy_base.py", *TINY, "--learning_rate=1e-2", "--stages=toy/add:2,toy/sort:2",
-              "--eval_sets=toy/add,toy/sort", f"--out_dir={run}")
-    assert os.path.exists(os.path.join(run, "accuracy_matrix.json"))
-    assert os.path.isdir(os.path.join(run, "stage1_toy_add")) and os.path.isdir(os.path.join(run, "stage2_toy_sort"))
-    proc = subprocess.run([sys.executable, "eval.py", f"--run_dir={run}", "--n=2", "--k=1,2", "--max_prompts=4",
-                           "--drift_prompts=4", "--eval_sets=toy/add,toy/sort"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    with open(os.path.join(run, "eval.json")) as f:
-        r = json.load(f)
-    assert {"config", "model", "base_model", "eval_sets", "accuracy", "accuracy_avg", "continual", "drift",
-            "stage_drift"} <= set(r)
-    assert r["base_model"] == "scratch" and r["eval_sets"] == ["toy/add", "toy/sort"]
-    for name in ("toy/add", "toy/sort"):
-        acc = r["accuracy"][name]
-        assert set(acc["model"]) == {"mean@2", "pass@1", "pass@2"} and acc["n_prompts"] == 4
-        assert acc["delta"]["mean@2"] == pytest.approx(acc["model"]["mean@2"] - acc["base"]["mean@2"])
-        resp = r["drift"]["response"][name]
-        assert {"mmd2", "bandwidth", "text_similarity"} <= set(resp) and resp["n_prompts"] == 4
-        assert {"foreign_format", "repetition", "empty_answer", "mean_len"} <= set(r["drift"]["artifacts"][name]["model"])
-    assert r["drift"]["param"]["overall"] > 0
-    c = r["continual"]
-    assert c["stages"] == ["toy/add", "toy/sort"] and len(c["rows"]) == 2
-    assert {"avg_final", "forgetting", "bwt", "fwt"} <= set(c)
-    curve = r["stage_drift"]
-    assert [s["stage"] for s in curve] == [1, 2] and [s["name"] for s in curve] == ["toy/add", "toy/sort"]
-    assert 0 < curve[0]["param"]["overall"] and curve[1]["param"]["overall"] == pytest.approx(r["drift"]["param"]["overall"])
-    sp = r["drift"]["spectral"]
-    assert sp["k"] == 0 and sp["overall"]["n"] == 7  # 1 layer x (q, k, v, o, gate, up, down)
-    assert set(sp["by_module"]) == {"attn_q", "attn_k", "attn_v", "attn_o", "mlp"}
-    for key in ("nss_left", "nss_right"):
-        assert 0 < sp["overall"][key] < 1  # trained: the top-k subspaces moved, but not to orthogonal
-    assert 0 < sp["overall"]["max_angle_left"] <= 90 and sp["overall"]["sv_change"] > 0
-    last, final = curve[1]["spectral"]["overall"], sp["overall"]  # the last snapshot is the final model
-    assert last.keys() == final.keys() and last["k"] == final["k"]  # k: the list of ranks used (exact)
-    assert {key: v for key, v in last.items() if key != "k"} == pytest.approx({key: v for key, v in final.items() if key != "k"})
-    assert curve[0]["spectral"]["overall"]["n"] == 7
-    with open(os.path.join(run, "eval.md")) as f:
-        md = f.read()
-    for heading in ("## Accuracy", "## Continual", "## Parameter drift", "## Spectral drift", "## Response drift",
-                    "## Format artifacts", "## Drift per stage snapshot"):
-        assert heading in md
-    assert "## Accuracy" in proc.stdout  # the table is printed too
-
-
 def test_user_errors(tmp_path):
     cfg = {key: getattr(ev, key) for key in ("run_dir", "model", "base_model", "eval_sets", "n", "k", "temperature",
                                             "top_p", "max_new_tokens", "max_prompts", "drift_prompts", "batch_prompts",
@@ -446,3 +335,16 @@ def test_user_errors(tmp_path):
         ev.main(dict(cfg, model="x", drift_prompts=1))
     with pytest.raises(train.UserError, match="spectral_k=-2"):
         ev.main(dict(cfg, model="x", spectral_k=-2))
+
+
+def test_sample_py_greedy_at_temperature_zero(finished_run, capsys):
+    import sample as sample_py
+    from configurator import configure
+
+    def sample(seed):
+        sample_py.main(configure(dict(vars(sample_py)), [f"--init_from={finished_run / 'ckpt'}", "--temperature=0",
+                                                         "--num_samples=2", "--max_new_tokens=6", f"--seed={seed}",
+                                                         "--device=cpu"], sample_py.__file__))
+        return [line for line in capsys.readouterr().out.splitlines() if line.startswith("-->")]
+    first = sample(1)
+    assert len(first) == 2 and first[0] == first[1] and sample(2) == first  # greedy: no randomness

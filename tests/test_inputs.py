@@ -1,6 +1,6 @@
-"""Every input path checks what train.py checks: lengths fitted to the context (SFT solutions, the
-eval teacher's prompts, eval.py's and sample.py's prompts), records checked against their kind, the
-torchrun environment, chat templates that raise and checkpoint folders without a tokenizer."""
+"""Inputs: data records checked against their kind, prompts and solutions fitted to the model's context
+(train.py, the eval teacher, eval.py, sample.py), tokenizers and model folders, devices and paths, the
+torchrun environment. Each bad input is one line naming the file:line or key and the fix."""
 import json
 import os
 import shutil
@@ -12,15 +12,18 @@ import types
 import pytest
 import torch
 
-from conftest import ROOT, TINY, defaults, run_train
+from conftest import ROOT, TINY, cli_cfg, defaults, one_line_error, run_train
 
-import runtime
 import models
+import runtime
 import train
 from configurator import UserError, config_keys
 
+
 GOOD = {"id": "good", "kind": "math", "messages": [{"role": "user", "content": "1+1"}], "answer": "2",
         "solution": "\\boxed{2}"}
+
+
 CPU = torch.device("cpu")
 
 
@@ -29,13 +32,6 @@ def write_jsonl(path, rows):
     with open(path, "wb") as f:
         f.write(b"".join(r if isinstance(r, bytes) else (json.dumps(r) + "\n").encode() for r in rows))
     return str(path)
-
-
-def one_line_error(proc):
-    assert proc.returncode != 0, proc.stdout[-2000:]
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr[-2000:]
-    return lines[0]
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +56,106 @@ def recorder():
     return said, types.SimpleNamespace(say=said.append)
 
 
-# ----------------------------------------------------------------------------- lengths
+def test_missing_data_names_the_prepare_command(tmp_path):
+    proc = run_train(f"--data_dir={tmp_path}", "--dataset=toy/add", check=False)
+    assert proc.returncode != 0
+    assert "python " in proc.stderr and os.path.join("toy", "prepare.py") in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_malformed_jsonl_reports_file_and_line(tmp_path):
+    d = tmp_path / "bad"
+    d.mkdir()
+    (d / "train.jsonl").write_text('{"kind": "math", "messages": [{"role": "user", "content": "1+0"}], "answer": "1"}\n{not json\n')
+    try:
+        train.load_tasks("bad", "train", str(tmp_path))
+    except train.UserError as e:
+        assert f"{d / 'train.jsonl'}:2:" in str(e)
+    else:
+        raise AssertionError("malformed JSONL was accepted")
+    (d / "train.jsonl").write_text('{"kind": "math", "answer": "1"}\n')
+    try:
+        train.load_tasks("bad", "train", str(tmp_path))
+    except train.UserError as e:
+        assert ":1:" in str(e) and "messages" in str(e)
+    else:
+        raise AssertionError("a line without messages was accepted")
+
+
+@pytest.mark.parametrize("line,needs_solution,expect", [
+    ({**GOOD, "kind": "poetry"}, False, "kind='poetry' has no answer checker"),
+    ({**GOOD, "messages": "1+1"}, False, "messages must be a non-empty list"),
+    ({**GOOD, "messages": [{"role": "user"}]}, False, "messages must be a non-empty list"),
+    ({**GOOD, "answer": ""}, False, "answer is missing or empty"),
+    ({**GOOD, "answer": None}, False, "answer is missing or empty"),
+    ({k: v for k, v in GOOD.items() if k != "solution"}, True, "algo=sft needs a 'solution'"),
+    (b"\xff\xfe not utf-8\n", False, "not UTF-8 text"),
+    (b"{not json\n", False, "not valid JSON"),
+])
+def test_a_bad_record_is_one_line_naming_file_line_and_fix(tmp_path, line, needs_solution, expect):
+    write_jsonl(tmp_path / "bad" / "train.jsonl", [GOOD, line])
+    with pytest.raises(train.UserError) as e:
+        train.load_tasks("bad", "train", str(tmp_path), need_solution=needs_solution)
+    assert f"train.jsonl:2: {expect}" in str(e.value) and "\n" not in str(e.value)
+    write_jsonl(tmp_path / "empty" / "train.jsonl", [])
+    with pytest.raises(train.UserError, match="has no tasks"):
+        train.load_tasks("empty", "train", str(tmp_path))
+
+
+TOOL_ANSWER = json.dumps([{"Action": "search", "Action_Input": "{\"q\": \"cats\"}"}])
+
+
+@pytest.mark.parametrize("record,expect", [
+    (dict(GOOD, kind="mcq", answer="lead"), "an mcq answer must be one option letter like 'B', not 'lead'"),
+    (dict(GOOD, kind="tool", answer="search(q=cats)"), "a tool answer must be a JSON list of"),
+    (dict(GOOD, kind="tool", answer='[{"Action": "search", "Action_Input": "{q: cats}"}]'),
+     "call 1's Action_Input is not a JSON object"),
+    (dict(GOOD, kind="tool", answer='[{"Action_Input": "{}"}]'), "call 1 has no \"Action\" name"),
+    (dict(GOOD, messages=[{"role": "tool", "content": "x"}, {"role": "user", "content": "1+1"}]),
+     "message role 'tool' is not one of system, user, assistant"),
+    (dict(GOOD, messages=[{"role": "user", "content": "1+1"}, {"role": "assistant", "content": "2"}]),
+     "the last message must be the user's turn"),
+])
+def test_a_record_whose_answer_or_roles_cannot_work_is_refused_at_load(tmp_path, record, expect):
+    write_jsonl(tmp_path / "bad" / "test.jsonl", [GOOD, dict(GOOD, kind="tool", answer=TOOL_ANSWER), record])
+    with pytest.raises(UserError) as e:
+        train.load_tasks("bad", "test", str(tmp_path))
+    assert "test.jsonl:3: " in str(e.value) and expect in str(e.value) and "\n" not in str(e.value)
+
+
+def test_the_prepare_scripts_check_answers_against_their_kind_too(capsys):
+    from data.common import check_row
+    row = {"id": "1", "domain": "x", "kind": "mcq", "answer": "lead", "messages": [{"role": "user", "content": "q"}]}
+    with pytest.raises(SystemExit):
+        check_row(row, "test line 1")
+    assert "test line 1: an mcq answer must be one option letter" in capsys.readouterr().err
+    check_row(dict(row, answer="B"), "test line 1")
+
+
+def test_data_dir_and_tokenizer_path_are_found_from_another_directory(toy_data, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # data/ is not here: the repository's is used
+    assert len(train.load_tasks("toy/add", "test", "data")) == 100
+    model, _ = models.load_model("scratch", torch.device("cpu"), scratch=dict(defaults(), n_layer=1, n_embd=32, n_head=2))
+    assert model.config.vocab_size == 99
+    with pytest.raises(train.UserError) as e:
+        train.load_tasks("toy/none", "test", "data")
+    assert f"looked for {tmp_path / 'data/toy/none/test.jsonl'} or {os.path.join(ROOT, 'data/toy/none/test.jsonl')}" in str(e.value)
+
+
+def test_long_prompts_are_left_out_quickly_and_a_context_too_small_is_one_line(toy_data, tmp_path):
+    data = tmp_path / "data"
+    shutil.copytree(os.path.join(toy_data, "toy", "tokenizer"), data / "toy" / "tokenizer")
+    huge = {**GOOD, "messages": [{"role": "user", "content": "1" * 1_000_000}]}
+    write_jsonl(data / "long" / "train.jsonl", [GOOD, huge, GOOD])
+    write_jsonl(data / "long" / "test.jsonl", [GOOD])
+    common = ("config/toy_base.py", *TINY, "--stages=", "--eval_sets=", "--dataset=long", f"--data_dir={data}", "--device=cpu",
+              f"--tokenizer_path={data / 'toy' / 'tokenizer'}")
+    proc = run_train(*common, f"--out_dir={tmp_path / 'a'}", "--max_iters=1")
+    assert "long: left out 1 of 3 prompts longer than 120 tokens" in proc.stdout
+    line = one_line_error(run_train(*common, f"--out_dir={tmp_path / 'b'}", "--block_size=4", check=False))
+    assert "exceeds the model's context of 4 tokens" in line and not (tmp_path / "b").exists()
+
+
 def test_sft_solutions_longer_than_the_context_are_left_out_and_counted(loaded):
     """A 1 MB solution once asked the allocator for a terabyte: now it is left out without being tokenized."""
     model, tokenizer = loaded
@@ -127,37 +222,6 @@ def test_sample_py_leaves_out_prompts_that_do_not_fit_the_model(tiny_model, tmp_
         sample_main(f"--init_from={tiny_model}", "--prompt=" + "1" * 600, "--max_new_tokens=4", "--device=cpu")
 
 
-# ----------------------------------------------------------------------------- records
-TOOL_ANSWER = json.dumps([{"Action": "search", "Action_Input": "{\"q\": \"cats\"}"}])
-
-
-@pytest.mark.parametrize("record,expect", [
-    (dict(GOOD, kind="mcq", answer="lead"), "an mcq answer must be one option letter like 'B', not 'lead'"),
-    (dict(GOOD, kind="tool", answer="search(q=cats)"), "a tool answer must be a JSON list of"),
-    (dict(GOOD, kind="tool", answer='[{"Action": "search", "Action_Input": "{q: cats}"}]'),
-     "call 1's Action_Input is not a JSON object"),
-    (dict(GOOD, kind="tool", answer='[{"Action_Input": "{}"}]'), "call 1 has no \"Action\" name"),
-    (dict(GOOD, messages=[{"role": "tool", "content": "x"}, {"role": "user", "content": "1+1"}]),
-     "message role 'tool' is not one of system, user, assistant"),
-    (dict(GOOD, messages=[{"role": "user", "content": "1+1"}, {"role": "assistant", "content": "2"}]),
-     "the last message must be the user's turn"),
-])
-def test_a_record_whose_answer_or_roles_cannot_work_is_refused_at_load(tmp_path, record, expect):
-    write_jsonl(tmp_path / "bad" / "test.jsonl", [GOOD, dict(GOOD, kind="tool", answer=TOOL_ANSWER), record])
-    with pytest.raises(UserError) as e:
-        train.load_tasks("bad", "test", str(tmp_path))
-    assert "test.jsonl:3: " in str(e.value) and expect in str(e.value) and "\n" not in str(e.value)
-
-
-def test_the_prepare_scripts_check_answers_against_their_kind_too(capsys):
-    from data.common import check_row
-    row = {"id": "1", "domain": "x", "kind": "mcq", "answer": "lead", "messages": [{"role": "user", "content": "q"}]}
-    with pytest.raises(SystemExit):
-        check_row(row, "test line 1")
-    assert "test line 1: an mcq answer must be one option letter" in capsys.readouterr().err
-    check_row(dict(row, answer="B"), "test line 1")
-
-
 def test_characters_the_toy_tokenizer_cannot_encode_are_refused(loaded):
     """The toy tokenizer knows printable ASCII and newline: anything else would vanish from the prompt."""
     _, tokenizer = loaded
@@ -185,6 +249,43 @@ def test_characters_a_large_tokenizer_maps_to_unknown_are_a_warning():
                     "the model never sees them"]
 
 
+def test_a_chat_template_that_raises_is_one_line(loaded):
+    _, tokenizer = loaded
+    gemma_like = tokenizer.__class__.from_pretrained(tokenizer.name_or_path)
+    gemma_like.chat_template = ("{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}"
+                                "{% endif %}{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    system = dict(GOOD, messages=[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "1+1"}])
+    assert models.fit_tasks([GOOD], "s", gemma_like, cap=100) == [GOOD]
+    with pytest.raises(models.ModelError) as e:
+        models.fit_tasks([GOOD, system], "s", gemma_like, cap=100)
+    assert "System role not supported" in str(e.value) and "[system, user]" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_missing_model_folder_is_one_clear_error():
+    with pytest.raises(train.UserError, match="not found"):
+        models.load_model("out/no_such_run/ckpt", None, scratch=defaults())
+
+
+def test_a_checkpoint_folder_without_its_tokenizer_files_is_refused(tiny_model, tmp_path):
+    """transformers would build a 1-token tokenizer from such a folder without a word."""
+    folder = tmp_path / "no_tokenizer"
+    folder.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(tiny_model / name, folder / name)
+    with pytest.raises(models.ModelError, match="has no tokenizer files"):
+        models.load_model(str(folder), CPU)
+
+
+def test_a_weights_only_folder_still_serves_where_no_tokenizer_is_needed(tiny_model, tmp_path):
+    """teacher_init reads only the weights: a folder without tokenizer files is fine there."""
+    folder = tmp_path / "weights_only"
+    folder.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(tiny_model / name, folder / name)
+    model, tokenizer = models.load_model(str(folder), CPU, with_tokenizer=False)
+    assert tokenizer is None and models.context_length(model) == 128
+
+
 @pytest.mark.parametrize("content,expect", [
     (b'{"kind": "poetry", "messages": [{"role": "user", "content": "x"}], "answer": "1"}\n',
      "prompts.jsonl:1: kind='poetry' has no answer checker"),
@@ -210,30 +311,43 @@ def test_sample_py_checks_records_and_files_as_train_py_does(tmp_path, content, 
     assert expect in str(e.value) and "\n" not in str(e.value)
 
 
-# ----------------------------------------------------------------------------- chat templates, tokenizer files
-def test_a_chat_template_that_raises_is_one_line(loaded):
-    _, tokenizer = loaded
-    gemma_like = tokenizer.__class__.from_pretrained(tokenizer.name_or_path)
-    gemma_like.chat_template = ("{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}"
-                                "{% endif %}{% for m in messages %}{{ m['content'] }}{% endfor %}")
-    system = dict(GOOD, messages=[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "1+1"}])
-    assert models.fit_tasks([GOOD], "s", gemma_like, cap=100) == [GOOD]
-    with pytest.raises(models.ModelError) as e:
-        models.fit_tasks([GOOD, system], "s", gemma_like, cap=100)
-    assert "System role not supported" in str(e.value) and "[system, user]" in str(e.value) and "\n" not in str(e.value)
+@pytest.mark.parametrize("args,expect", [
+    (["--max_new_tokens=0"], "max_new_tokens=0 must be >= 1"),
+    (["--num_samples=0"], "num_samples=0 must be >= 1"),
+    (["--prompt_file=EMPTY"], "holds no prompts"),
+])
+def test_sample_py_bad_input_is_one_line(toy_data, tmp_path, args, expect):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n")
+    args = [a.replace("EMPTY", str(empty)) for a in args]
+    if args == ["--max_new_tokens=0"]:  # once through the command line: one line, exit 1
+        proc = subprocess.run([sys.executable, "sample.py", "--init_from=no/model", *args], cwd=ROOT, capture_output=True,
+                              text=True, timeout=300)
+        assert expect in one_line_error(proc)
+        return
+    import sample
+    from configurator import configure
+    with pytest.raises(train.UserError, match=expect):
+        sample.main(configure(dict(vars(sample)), ["--init_from=no/model", *args], sample.__file__))
 
 
-def test_a_checkpoint_folder_without_its_tokenizer_files_is_refused(tiny_model, tmp_path):
-    """transformers would build a 1-token tokenizer from such a folder without a word."""
-    folder = tmp_path / "no_tokenizer"
-    folder.mkdir()
-    for name in ("config.json", "model.safetensors"):
-        shutil.copy(tiny_model / name, folder / name)
-    with pytest.raises(models.ModelError, match="has no tokenizer files"):
-        models.load_model(str(folder), CPU)
+@pytest.mark.parametrize("args,expect", [
+    (["--device=tpu"], "device='tpu' is not supported"),
+    (["--device=cuda"], "no CUDA GPU"),
+    (["--out_dir="], "out_dir='' is empty"),
+    (["--out_dir=README.md"], "is a file"),
+])
+def test_devices_and_paths_are_one_line(toy_data, args, expect):
+    if args == ["--device=cuda"] and torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    if args == ["--device=tpu"]:  # once through the command line: one line, exit 1
+        assert expect in one_line_error(run_train("config/grpo_toy.py", *TINY, "--init_from=scratch", *args, check=False))
+        return
+    with pytest.raises(train.UserError, match=expect.replace("(", r"\(")) as e:
+        train.main(cli_cfg(*args))
+    assert "\n" not in str(e.value)
 
 
-# ----------------------------------------------------------------------------- the torchrun environment
 @pytest.mark.parametrize("env,expect", [
     ({"RANK": "1"}, "RANK=1 with WORLD_SIZE=1 (unset: 1): a rank must be in [0, WORLD_SIZE)"),
     ({"WORLD_SIZE": "two"}, "WORLD_SIZE='two' is not an integer"),
@@ -285,13 +399,3 @@ def test_ranks_reading_different_data_stop_in_one_line(toy_data, tmp_path):
     assert proc.returncode != 0
     assert "error: the task files under data_dir=" in proc.stderr and "differ between ranks (rank 0 and rank 1)" in proc.stderr
     assert not (tmp_path / "run").exists()
-
-
-def test_a_weights_only_folder_still_serves_where_no_tokenizer_is_needed(tiny_model, tmp_path):
-    """teacher_init reads only the weights: a folder without tokenizer files is fine there."""
-    folder = tmp_path / "weights_only"
-    folder.mkdir()
-    for name in ("config.json", "model.safetensors"):
-        shutil.copy(tiny_model / name, folder / name)
-    model, tokenizer = models.load_model(str(folder), CPU, with_tokenizer=False)
-    assert tokenizer is None and models.context_length(model) == 128

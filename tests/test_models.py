@@ -65,9 +65,15 @@ def test_training_logprobs_equal_the_models_own_or_the_model_is_refused(name):
             models.check_model(model)
         assert "\n" not in str(e.value)
         return
+    assert models.lm_head(model)[1] == pytest.approx(expected, rel=1e-6)  # a lookup: before check_model too
     models.check_model(model)
     weight, scale = models.lm_head(model)
     assert scale == pytest.approx(expected, rel=1e-6)
+    if name == "llama":  # a config that declares a scale its forward does not apply is refused, naming both
+        liar = build(name)
+        liar.config.logit_scale = 0.5
+        with pytest.raises(models.ModelError, match="scaled by 1, not by the 0.5 its config declares"):
+            models.check_model(liar)
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, V, (n,), generator=g).tolist() for n in (5, 3)]
     responses = [torch.randint(3, V, (n,), generator=g).tolist() for n in (4, 6)]

@@ -51,7 +51,7 @@ def test_check_model_accepts_smollm2_with_its_chat_template_and_one_stop_token(r
     model, tokenizer = real
     assert type(model).__name__ == "LlamaForCausalLM" and model.config.vocab_size == 49152
     models.check_model(model)  # again, explicitly: raises ModelError on a refused architecture
-    assert model.logit_scale_for_nanosdpo == 1.0
+    assert models.lm_head(model)[1] == 1.0
     assert models.stop_token_ids(model, tokenizer) == [tokenizer.convert_tokens_to_ids(IM_END)]
     task = smollm2.capital_tasks()[0]
     assert tokenizer.decode(models.prompt_ids(tokenizer, task["messages"])) == chatml(task["messages"])

@@ -365,3 +365,13 @@ def test_eval_presets_name_prepared_sets():
     assert set(EVAL_PRESETS["paper"]) == names
     for name in names:
         assert os.path.exists(os.path.join(REPO, "data", name.split("/")[0], "prepare.py")), name
+
+
+def test_math_checker_dispatch_and_cross_check():
+    assert train.reward("math", "\\boxed{1/2}", "0.5") == (1.0, None)
+    pytest.importorskip("math_verify", reason="math-verify is optional (pip install math-verify) and not installed")
+    pairs = [("\\boxed{\\frac{1}{2}}", "0.5", 1.0), ("\\boxed{3}", "4", 0.0), ("\\boxed{x^2+2x+1}", "(x+1)^2", 1.0),
+             ("\\boxed{\\sqrt{2}/2}", "\\frac{1}{\\sqrt{2}}", 1.0), ("\\boxed{12", "12", 0.0), ("no box", "1", 0.0)]
+    for response, answer, want in pairs:
+        assert train.reward("math", response, answer, math_checker="math_verify")[0] == want, (response, answer)
+        assert train.reward("math", response, answer)[0] == want, (response, answer)  # the builtin agrees

@@ -1,21 +1,14 @@
-"""Rollout, advantages and the SDPO teacher context: the pieces between generation and the loss."""
+"""Rollout (step 1): generate() samples group_size responses per prompt from one shared prefill, keeps
+each response up to its first EOS and the log-prob each token was sampled with, on the dynamic or the
+static KV cache, in chunks, under autocast and gradient checkpointing."""
 import pytest
 import torch
 
-from conftest import defaults
+from conftest import tiny_qwen2
 
 import decoding
 import models
-import teacher
 import train
-
-
-def tiny_model(vocab=20, seed=0):
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-    torch.manual_seed(seed)
-    cfg = Qwen2Config(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True)
-    return Qwen2ForCausalLM(cfg).eval()
 
 
 def eager_compile(monkeypatch):
@@ -35,8 +28,17 @@ def test_response_mask_keeps_first_eos_once_and_nothing_after():
     assert ((tokens == eos) & mask).sum(-1).tolist() == [1, 1, 0]  # the stop token is trained, once
 
 
+def test_top_p_only_samples_from_the_nucleus():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]])).repeat(2000, 1)
+    g = torch.Generator().manual_seed(0)
+    tokens, _ = train.sample_top_p(logits, 1.0, 0.7, g)
+    assert set(tokens.tolist()) == {0, 1}  # 0.5 + 0.3 reaches 0.7; 2 and 3 never drawn
+    tokens, _ = train.sample_top_p(logits, 1.0, 1.0, g)
+    assert set(tokens.tolist()) == {0, 1, 2, 3}
+
+
 def test_generate_pad_equal_to_eos_still_keeps_the_stop_token():
-    model = tiny_model()
+    model = tiny_qwen2()
     g = torch.Generator().manual_seed(0)
     eos = 3
     out = train.generate(model, [[1, 4, 5], [6]], group_size=4, max_new_tokens=12, temperature=3.0, top_p=1.0,
@@ -50,7 +52,7 @@ def test_generate_pad_equal_to_eos_still_keeps_the_stop_token():
 
 def test_generate_logprobs_match_a_full_forward_with_left_padding():
     """The recorded sampling log-probs are what the training forward computes (ratio ≈ 1)."""
-    model = tiny_model()
+    model = tiny_qwen2()
     g = torch.Generator().manual_seed(1)
     prompts = [[1, 4, 5, 6, 7], [8, 9]]
     out = train.generate(model, prompts, group_size=2, max_new_tokens=6, temperature=0.7, top_p=1.0, eos_ids=[19],
@@ -64,7 +66,7 @@ def test_generate_logprobs_match_a_full_forward_with_left_padding():
 def test_generate_in_chunks_of_max_rows_equals_one_batch(monkeypatch):
     """max_rows (gen_batch_size) decodes whole groups a few at a time; with the nucleus cut to the
     single most likely token sampling is deterministic, so the chunks must give the same rows."""
-    model = tiny_model()
+    model = tiny_qwen2()
     prompts = [[1, 4, 5, 6, 7], [8, 9], [10], [11, 12, 13]]
     calls = []
     real = train.decode
@@ -85,7 +87,7 @@ def test_static_cache_decoding_equals_the_dynamic_cache(monkeypatch):
     same log-probs as the dynamic-cache loop; run here through torch.compile's eager backend, which
     traces the step with dynamo like the real compile but skips code generation (minutes on CPU)."""
     eager_compile(monkeypatch)
-    model = tiny_model()
+    model = tiny_qwen2()
     prompts = [[1, 4, 5, 6, 7], [8, 9], [10]]
     runs = [train.generate(model, prompts, group_size=3, max_new_tokens=10, temperature=1.5, top_p=0.9, eos_ids=[19],
                            pad_id=0, generator=torch.Generator().manual_seed(3), static=static)
@@ -105,7 +107,7 @@ def test_a_rollout_with_grad_checkpointing_samples_what_the_model_without_it_sam
     (the static path then fails on an empty prefill cache, the dynamic one decodes each token without
     its context). Rollouts and the teacher's shared prefill run in eval mode, and restore the mode."""
     eager_compile(monkeypatch)
-    plain, checkpointed = tiny_model(vocab=96), tiny_model(vocab=96)
+    plain, checkpointed = tiny_qwen2(vocab=96), tiny_qwen2(vocab=96)
     checkpointed.train()
     models.enable_grad_checkpointing(checkpointed)
     prompts = [[1, 4, 5, 6, 7], [8, 9], [10]]
@@ -120,6 +122,14 @@ def test_a_rollout_with_grad_checkpointing_samples_what_the_model_without_it_sam
     torch.testing.assert_close(shared[1], shared[0], atol=1e-5, rtol=1e-5)
     assert checkpointed.training and all(m.training for m in checkpointed.modules()), "train mode restored"
     assert not plain.training
+
+
+def test_eval_mode_restores_every_submodules_own_mode():
+    model = tiny_qwen2().train()
+    model.model.layers[0].eval()  # a submodule set apart stays apart
+    with models.eval_mode(model, None):
+        assert not any(m.training for m in model.modules())
+    assert model.training and not model.model.layers[0].training and model.model.layers[1].training
 
 
 @pytest.fixture
@@ -139,7 +149,7 @@ def test_under_autocast_every_kv_cache_is_in_the_autocast_dtype(monkeypatch, det
     static path samples what the dynamic one does."""
     eager_compile(monkeypatch)
     monkeypatch.setattr(decoding, "_static_caches", {})
-    model = tiny_model(vocab=96)
+    model = tiny_qwen2(vocab=96)
     prompts = [[1, 4, 5, 6, 7], [8, 9], [10]]
     with torch.autocast("cpu", dtype=torch.bfloat16):
         runs = [train.generate(model, prompts, group_size=2, max_new_tokens=8, temperature=1.0, top_p=1.0, eos_ids=[2],
@@ -171,7 +181,7 @@ def test_at_most_one_static_cache_is_alive(monkeypatch):
     (before a train step it does not fit beside) drops it."""
     eager_compile(monkeypatch)
     monkeypatch.setattr(decoding, "_static_caches", {})
-    model = tiny_model(vocab=96)
+    model = tiny_qwen2(vocab=96)
 
     def rollout(prompts, max_new_tokens):
         train.generate(model, prompts, group_size=2, max_new_tokens=max_new_tokens, temperature=1.0, top_p=1.0,
@@ -198,126 +208,3 @@ def test_the_static_cache_stays_through_a_train_step_only_where_it_fits():
     memory.before_step(torch.device("cpu"))  # a CPU run keeps its cache (no device memory to run out of)
     memory.after_step(torch.device("cpu"))
     assert memory.step_extra is None
-
-
-def test_eval_mode_restores_every_submodules_own_mode():
-    model = tiny_model().train()
-    model.model.layers[0].eval()  # a submodule set apart stays apart
-    with models.eval_mode(model, None):
-        assert not any(m.training for m in model.modules())
-    assert model.training and not model.model.layers[0].training and model.model.layers[1].training
-
-
-def test_top_p_only_samples_from_the_nucleus():
-    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]])).repeat(2000, 1)
-    g = torch.Generator().manual_seed(0)
-    tokens, _ = train.sample_top_p(logits, 1.0, 0.7, g)
-    assert set(tokens.tolist()) == {0, 1}  # 0.5 + 0.3 reaches 0.7; 2 and 3 never drawn
-    tokens, _ = train.sample_top_p(logits, 1.0, 1.0, g)
-    assert set(tokens.tolist()) == {0, 1, 2, 3}
-
-
-def test_group_advantages():
-    r = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0, 1.0])
-    adv = train.group_advantages(r, 4, norm_std=False)
-    assert adv.tolist() == [0.5, -0.5, -0.5, 0.5, 0, 0, 0, 0]  # all-equal group: no signal
-    adv = train.group_advantages(r, 4, norm_std=True)
-    std = torch.tensor([1.0, 0.0, 0.0, 1.0]).std()
-    torch.testing.assert_close(adv[:4], torch.tensor([0.5, -0.5, -0.5, 0.5]) / (std + 1e-6))
-    assert adv[4:].abs().max() == 0
-
-
-def test_grpo_weights_aggregation_modes():
-    lengths, keep = [2, 4, 3], [True, True, False]
-    tm = train.grpo_weights(lengths, keep, "token-mean", 8)
-    assert torch.allclose(torch.cat(tm).sum(), torch.tensor(1.0)) and tm[2].sum() == 0
-    sm = train.grpo_weights(lengths, keep, "seq-mean-token-mean", 8)
-    assert [round(w.sum().item(), 6) for w in sm] == [0.5, 0.5, 0.0]
-    dr = train.grpo_weights(lengths, keep, "seq-mean-token-sum-norm", 8)
-    assert torch.allclose(dr[1], torch.full((4,), 1 / 16))
-
-
-def test_density_mask_fraction_and_seeding():
-    g = torch.Generator().manual_seed(0)
-    masks = train.density_masks([1000] * 20, 0.25, g)
-    frac = torch.cat(masks).float().mean().item()
-    assert abs(frac - 0.25) < 4 * (0.25 * 0.75 / 20000) ** 0.5  # 4 sigma
-    again = train.density_masks([1000] * 20, 0.25, torch.Generator().manual_seed(0))
-    assert all(torch.equal(a, b) for a, b in zip(masks, again))
-    assert all(m.all() for m in train.density_masks([5, 7], 1.0, g))
-
-
-def test_pick_peer_first_success_never_self():
-    rewards = [0.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0]
-    assert [train.pick_peer(rewards, 4, i, 1.0, True) for i in range(4)] == [1, 2, 1, 1]
-    assert train.pick_peer(rewards, 4, 1, 1.0, False) == 1  # self allowed
-    assert all(train.pick_peer(rewards, 4, i, 1.0, True) is None for i in range(4, 8))
-
-
-def test_strip_thinking():
-    assert train.strip_thinking("<think>long\nthought</think>\\boxed{3}") == "\\boxed{3}"
-    assert train.strip_thinking("answer <think>never closed") == "answer"
-
-
-def test_teacher_context_text_for_a_hand_made_group():
-    cfg = dict(defaults(), use_feedback=True, feedback_only_without_solution=True)
-    tasks = [{"messages": [{"role": "system", "content": "S"}, {"role": "user", "content": "Q?"}], "answer": "4"}]
-    texts = ["<think>hm</think>\\boxed{4}", "\\boxed{5}", "\\boxed{6}"]
-    rewards, feedbacks = [1.0, 0.0, 0.0], [None, "Your final answer 5 is wrong.", "Your final answer 6 is wrong."]
-    ctx = train.teacher_contexts(tasks, texts, rewards, feedbacks, 3, cfg)
-    assert ctx[0] is None  # the only success: no other peer, and no feedback on a success
-    assert ctx[1][0] == {"role": "system", "content": "S"}  # system message untouched
-    assert ctx[1][1]["content"] == ("Q?\n\nCorrect solution:\n\n\\boxed{4}\n\nCorrectly solve the original question.")
-    assert tasks[0]["messages"][1]["content"] == "Q?"  # the task itself is not mutated
-    # feedback always (not only without a solution)
-    cfg["feedback_only_without_solution"] = False
-    ctx = train.teacher_contexts(tasks, texts, rewards, feedbacks, 3, cfg)
-    assert ctx[2][1]["content"] == ("Q?\n\nCorrect solution:\n\n\\boxed{4}\n\nThe following is feedback from your "
-                                    "unsuccessful earlier attempt:\n\nYour final answer 6 is wrong.\n\n"
-                                    "Correctly solve the original question.")
-    # no success in the group: feedback only, or nothing without use_feedback
-    ctx = train.teacher_contexts(tasks, texts, [0.0] * 3, feedbacks, 3, cfg)
-    assert ctx[0] is None and "Correct solution" not in ctx[1][1]["content"] and "answer 5" in ctx[1][1]["content"]
-    cfg["use_feedback"] = False
-    assert train.teacher_contexts(tasks, texts, [0.0] * 3, feedbacks, 3, cfg) == [None] * 3
-
-
-def test_ema_update_math():
-    a, b = tiny_model(seed=0), tiny_model(seed=1)
-    before = [p.clone() for p in a.parameters()]
-    teacher.ema_update(a, b, 0.25)
-    for p0, p, q in zip(before, a.parameters(), b.parameters()):
-        torch.testing.assert_close(p, 0.75 * p0 + 0.25 * q)
-
-
-def test_a_teacher_prompt_over_max_reprompt_len_keeps_the_system_turn_and_the_question(toy_data):
-    """Cutting an over-long teacher prompt from the left dropped the system turn and the question;
-    the demonstration is shortened instead (to its end, where the answer is)."""
-    import os
-    from transformers import AutoTokenizer
-    tok = AutoTokenizer.from_pretrained(os.path.join(toy_data, "toy", "tokenizer"))
-    cfg = defaults()
-    messages = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "12+30"}]
-    peer = "step " * 60 + "\\boxed{42}"
-    full = models.prompt_ids(tok, train.teacher_messages(messages, peer, None, cfg))
-    limit = len(full) - 40
-    (ids, short), cut = train.template_teacher_prompts(tok, [{"messages": messages}] * 2, [(peer, None), None], 1, cfg, limit)
-    assert cut == 1 and short is None and len(ids) <= limit
-    text = tok.decode(ids)
-    assert text.startswith(tok.decode(full[:8])) and "Answer briefly." in text and "12+30" in text
-    assert text.endswith(tok.decode(full[-12:])) and "\\boxed{42}" in text  # the instruction and the answer stay
-    (same, _), cut = train.template_teacher_prompts(tok, [{"messages": messages}], [(peer, None)] * 2, 2, cfg, len(full))
-    assert cut == 0 and same == full
-
-
-def test_samples_jsonl_rows_come_from_several_groups():
-    import metrics
-    G, prompts = 3, 5
-    batch = train.Batch(prompt_ids=[[i // G] for i in range(G * prompts)], response_ids=[[1]] * (G * prompts),
-                        old_logprobs=[None] * (G * prompts), truncated=[False] * (G * prompts),
-                        texts=[f"r{i}" for i in range(G * prompts)], rewards=[0.0] * (G * prompts),
-                        teacher_prompt_ids=[None] * (G * prompts))
-    tasks = [{"answer": str(p)} for p in range(prompts)]
-    rows = metrics.sample_rows(batch, tasks, G, lambda ids: str(ids), iteration=7)
-    assert [r["response"] for r in rows] == ["r0", "r1", "r3", "r4", "r6", "r7", "r9", "r10"]
-    assert {r["answer"] for r in rows} == {"0", "1", "2", "3"}  # four prompts, not only the first

@@ -1,6 +1,7 @@
-"""The run folder under races and odd states: one holder of out_dir's lock at a time, a lock that
-dies with its process, eval.py that never overwrites what it did not write and reads a checkpoint
-consistently while a run saves one."""
+"""The run folder: one holder of out_dir's lock, atomic checkpoints that a crash or a kill at any point
+leaves recoverable, resume that continues exactly and refuses another run, a fresh run that never
+destroys an earlier one, ckpt/ as a clean HF folder, full disks, and eval.py reading a run folder."""
+import contextlib
 import errno
 import json
 import multiprocessing
@@ -14,12 +15,14 @@ import time
 
 import pytest
 import torch
+from safetensors import safe_open
 
-from conftest import ROOT, read_log
-from test_reliability import cli_cfg, copy_of, finished_run, listing, one_line_error, tiny_cfg  # noqa: F401 (a fixture)
+from conftest import ROOT, RUN, TINY, cli_cfg, copy_of, defaults, listing, one_line_error, read_log, run_train, tiny_cfg
 
 import checkpoint
 import eval as ev
+import models
+import runtime
 import train
 from configurator import UserError
 
@@ -99,7 +102,337 @@ def test_an_odd_lock_path_is_one_line(tmp_path, odd):
     assert "\n" not in str(e.value)
 
 
-# ----------------------------------------------------------------------------- eval.py on a run folder
+def test_a_second_run_into_the_same_out_dir_stops_and_a_killed_runs_lock_blocks_nothing(finished_run, tmp_path):
+    out = copy_of(finished_run, tmp_path)
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time, checkpoint\nwith checkpoint.locked(sys.argv[1]):\n"
+                               "    print('held', flush=True); time.sleep(600)", str(out)], cwd=ROOT, stdout=subprocess.PIPE,
+                              text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        args = (*RUN, f"--out_dir={out}", "--init_from=resume", "--max_iters=3")
+        assert f"in use by another run (pid {holder.pid})" in one_line_error(run_train(*args, check=False))
+    finally:
+        holder.kill()  # kill -9: its .lock file stays, its lock goes with it
+        holder.wait()
+    assert (out / ".lock").read_text() == str(holder.pid)
+    run_train(*args)
+    assert [r["iter"] for r in read_log(out) if "loss" in r] == [1, 2, 3]
+
+
+def test_a_fresh_run_into_an_earlier_run_refuses_unless_told_to_overwrite(toy_data, tmp_path):
+    """Rerunning into the same out_dir must neither destroy the earlier run by default nor leave its
+    stage snapshots and eval reports behind when told to replace it (eval.py would read them as
+    this run's); other files always stay."""
+    out = tmp_path / "run"
+    (out / "stage7_toy_mul").mkdir(parents=True)
+    (out / "log.jsonl").write_text(json.dumps({"iter": 999, "loss": 1.0}) + "\n")
+    (out / "eval.json").write_text("{}")
+    (out / "notes.txt").write_text("mine")
+    args = ("config/grpo_toy.py", *TINY, "--init_from=scratch", f"--out_dir={out}", "--max_iters=2", "--device=cpu")
+    proc = run_train(*args, check=False)
+    assert proc.returncode != 0 and len(proc.stderr.strip().splitlines()) == 1
+    assert "--init_from=resume" in proc.stderr and "--overwrite=True" in proc.stderr
+    assert (out / "log.jsonl").read_text().startswith('{"iter": 999') and (out / "stage7_toy_mul").exists()
+    proc = run_train(*args, "--overwrite=True")
+    assert "removed the earlier run's" in proc.stdout
+    assert [r["iter"] for r in read_log(out) if "loss" in r] == [1, 2]
+    assert not (out / "stage7_toy_mul").exists() and not (out / "eval.json").exists()
+    assert (out / "notes.txt").read_text() == "mine" and (out / "ckpt" / "model.safetensors").exists()
+
+
+@pytest.mark.parametrize("bad", ["--dataset=toy/nonexist", "--wandb_log=True", "--init_from=no/such-model-here",
+                                 "--max_new_tokens=4000", "--math_checker=math_verify"])
+def test_a_bad_input_into_a_finished_run_changes_nothing(finished_run, tmp_path, bad, monkeypatch):
+    """Even with --overwrite=True: every input is checked before anything in out_dir is touched.
+    The first case through the command line (one line, exit 1), the others in this process."""
+    monkeypatch.setitem(sys.modules, "wandb", None)  # absent, whatever this machine has installed
+    monkeypatch.setitem(sys.modules, "math_verify", None)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    out = copy_of(finished_run, tmp_path)
+    before = listing(out)
+    if bad == "--dataset=toy/nonexist":
+        one_line_error(run_train(*RUN, f"--out_dir={out}", "--overwrite=True", bad, check=False))
+    else:
+        with pytest.raises(train.UserError) as e:
+            train.main(cli_cfg(f"--out_dir={out}", "--overwrite=True", bad))
+        assert "\n" not in str(e.value)
+    assert listing(out) == before
+
+
+def sft_cfg(toy_data, out, **overrides):
+    return dict(defaults(), algo="sft", dataset="toy/add", n_layer=1, n_head=2, n_embd=32, block_size=128,
+                batch_prompts=4, micro_batch_size=8, max_iters=2, eval_interval=0, eval_max_prompts=2, eval_n=2,
+                max_new_tokens=8, warmup_iters=1, learning_rate=1e-2, out_dir=str(out), device="cpu",
+                data_dir=toy_data, tokenizer_path=os.path.join(toy_data, "toy", "tokenizer"), **overrides)
+
+
+@pytest.mark.parametrize("save_dtype", ["float32", "bfloat16"])
+def test_ckpt_is_a_clean_hf_folder_in_save_dtype_and_resumes_exactly(toy_data, tmp_path, save_dtype):
+    cfg = sft_cfg(toy_data, tmp_path / "run", save_dtype=save_dtype)
+    train.main(cfg)
+    ckpt = tmp_path / "run" / "ckpt"
+    top = {p.name for p in ckpt.iterdir()}
+    assert "trainer" in top and {"config.json", "generation_config.json", "model.safetensors"} <= top
+    assert all(not name.endswith(".safetensors") or name == "model.safetensors" for name in top)  # no teacher, no optimizer
+    # exactly the keys transformers writes for this model, in save_dtype
+    reference, _ = models.load_model("scratch", torch.device("cpu"), scratch=cfg)
+    reference.save_pretrained(tmp_path / "plain")
+    with safe_open(str(ckpt / "model.safetensors"), "pt") as f, safe_open(str(tmp_path / "plain" / "model.safetensors"), "pt") as g:
+        assert set(f.keys()) == set(g.keys())
+        assert all(f.get_tensor(k).dtype == getattr(torch, save_dtype) for k in f.keys())
+    from transformers import AutoModelForCausalLM
+    loaded = AutoModelForCausalLM.from_pretrained(ckpt)
+    assert next(loaded.parameters()).dtype == getattr(torch, save_dtype)
+    # resuming starts from the fp32 master weights, not from the (rounded) export
+    with contextlib.ExitStack() as stack:
+        run = train.setup(dict(cfg, init_from="resume", max_iters=3), runtime.Dist("cpu"), stack)
+        with open(ckpt / "trainer" / "state.json") as f:
+            assert json.load(f)["iter"] == run.state.iter == 2
+        exported = dict(loaded.named_parameters())
+        for name, p in run.model.named_parameters():
+            assert p.dtype == torch.float32
+            if save_dtype == "bfloat16":
+                torch.testing.assert_close(p.bfloat16(), exported[name].detach())
+        if save_dtype == "bfloat16":
+            assert any(not torch.equal(p, exported[n].float()) for n, p in run.model.named_parameters())
+
+
+@pytest.mark.parametrize("crash", ["between the renames", "before the first rename"])
+def test_a_crash_during_a_checkpoint_leaves_one_that_the_next_start_finds(finished_run, tmp_path, toy_data, crash):
+    out = copy_of(finished_run, tmp_path)
+    ckpt = out / "ckpt"
+    shutil.copytree(ckpt, out / "ckpt.tmp")  # the new checkpoint, complete
+    if crash == "between the renames":  # ckpt -> ckpt.old done, ckpt.tmp -> ckpt not yet
+        os.replace(ckpt, out / "ckpt.old")
+    else:  # the new one half-written: no trainer/state.json yet
+        os.remove(out / "ckpt.tmp" / "trainer" / "state.json")
+    assert checkpoint.recover(str(ckpt)) == (None if crash != "between the renames" else
+                                             f"recovered the checkpoint {ckpt} from ckpt.tmp (a crash between its renames)")
+    assert checkpoint.complete(str(ckpt))
+    train.main(tiny_cfg(toy_data, out, init_from="resume", max_iters=3))
+    assert [r["iter"] for r in read_log(out) if "loss" in r] == [1, 2, 3]
+    assert not any(p.name.startswith("ckpt.") for p in out.iterdir())
+
+
+def _crash_at(k, fn, *args):
+    """Run fn(*args) in this (forked) process, killed with SIGKILL just before its (k+1)-th change
+    to the disk: a rename, link, mkdir, unlink or rmdir."""
+    calls = [0]
+
+    def counted(real):
+        def wrapper(*a, **kw):
+            calls[0] += 1
+            if calls[0] > k:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return real(*a, **kw)
+        return wrapper
+    for name in ("replace", "link", "mkdir", "unlink", "rmdir"):
+        setattr(os, name, counted(getattr(os, name)))
+    fn(*args)
+
+
+def test_a_kill_at_any_point_of_keep_as_good_leaves_a_ckpt_good_that_the_next_start_recovers(finished_run, tmp_path):
+    ctx = multiprocessing.get_context("fork")
+    for k in range(500):
+        run = tmp_path / f"k{k}"
+        shutil.copytree(finished_run, run)
+        ckpt, good = run / "ckpt", run / "ckpt_good"
+        state = json.loads((good / "trainer" / "state.json").read_text())
+        (good / "trainer" / "state.json").unlink()  # the earlier ckpt_good: the same files, iteration 1
+        (good / "trainer" / "state.json").write_text(json.dumps(dict(state, iter=1)))
+        child = ctx.Process(target=_crash_at, args=(k, checkpoint.keep_as_good, str(ckpt), str(good)))
+        child.start()
+        child.join(60)
+        with checkpoint.take_over(str(run), resume=True, overwrite=False):
+            pass  # recovers ckpt/ and ckpt_good/
+        assert checkpoint.read_state(str(good))["iter"] in (1, 2), k  # complete, every file sound: old or new
+        if child.exitcode == 0:
+            assert checkpoint.read_state(str(good))["iter"] == 2 and k > 5
+            break
+        assert child.exitcode == -signal.SIGKILL
+    else:
+        pytest.fail("keep_as_good never finished")
+
+
+@pytest.mark.parametrize("error", [errno.ENOSPC, errno.EROFS])
+def test_a_full_or_read_only_disk_while_saving_is_one_line_and_loses_nothing(toy_data, tmp_path, monkeypatch, error):
+    """The optimizer file of the second checkpoint fails to write: one line naming the folder, the
+    space; ckpt/ still holds the first checkpoint (iteration 2), nothing half-written stays, and the
+    run continues from it once the disk is back."""
+    run, real, calls = tmp_path / "run", checkpoint.save_file, []
+
+    def failing(tensors, path, *a, **kw):
+        calls.append(path)
+        if len(calls) == 3:  # iteration 0 (the initial model), iteration 2, then iteration 4
+            raise OSError(error, os.strerror(error))
+        return real(tensors, path, *a, **kw)
+    monkeypatch.setattr(checkpoint, "save_file", failing)
+    with pytest.raises(train.UserError) as e:
+        train.main(tiny_cfg(toy_data, run, max_iters=6, save_interval=2))
+    msg = str(e.value)
+    assert f"cannot write {run / 'ckpt.tmp'} ({os.strerror(error)};" in msg and "MB free there, about" in msg
+    assert f"{run / 'ckpt'} still holds the previous one" in msg and "\n" not in msg
+    assert checkpoint.read_state(str(run / "ckpt"))["iter"] == 2 and not (run / "ckpt.tmp").exists()
+    monkeypatch.setattr(checkpoint, "save_file", real)
+    train.main(tiny_cfg(toy_data, run, max_iters=6, save_interval=2, init_from="resume"))
+    assert [r["iter"] for r in read_log(run) if "loss" in r] == [1, 2, 3, 4, 5, 6]
+
+
+def test_a_full_disk_while_logging_is_one_line(tmp_path, monkeypatch):
+    import builtins
+    import metrics
+    real_open = builtins.open
+
+    def full(path, mode="r", *a, **kw):
+        if str(path).endswith("log.jsonl") and "a" in mode:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_open(path, mode, *a, **kw)
+    monkeypatch.setattr(builtins, "open", full)
+    with pytest.raises(UserError, match=f"^cannot write {tmp_path / 'log.jsonl'} \\(No space left on device\\)"):
+        metrics.RunLog(str(tmp_path), True, None, True).record({"iter": 1})
+
+
+def test_checkpoint_files_get_the_umasks_mode_like_every_other_file(tmp_path, toy_data):
+    """safetensors writes 0600; a checkpoint (and ckpt_good, a stage snapshot) is 0644 under umask 022."""
+    old = os.umask(0o022)
+    try:
+        run = tmp_path / "run"
+        train.main(tiny_cfg(toy_data, run, stages="toy/add:1,toy/sub:1"))
+    finally:
+        os.umask(old)
+    folders = [run / "ckpt", run / "ckpt_good", run / "stage1_toy_add"]
+    modes = {p.relative_to(run): oct(p.stat().st_mode & 0o777) for f in folders for p in f.rglob("*") if p.is_file()}
+    assert any(str(p).endswith("optimizer.safetensors") for p in modes) and set(modes.values()) == {"0o644"}, modes
+
+
+def test_resume_continues_exactly(toy_data, tmp_path):
+    """3 iterations, checkpoint, 3 more == 6 uninterrupted (SDPO+EMA: model, optimizer, teacher, RNG).
+
+    One CPU thread: multi-threaded reductions may sum in another order from run to run, and at
+    the first steps the teacher-student divergence of a random model is at float-noise level."""
+    common = ["config/sdpo_toy.py", *TINY, "--dataset=toy/add", "--init_from=scratch", "--success_threshold=0.0", "--teacher=ema",
+              "--density=0.5", "--learning_rate=1e-2", "--device=cpu"]
+    one_thread = {"OMP_NUM_THREADS": "1"}
+    run_train(*common, f"--out_dir={tmp_path / 'full'}", "--max_iters=6", env=one_thread)
+    run_train(*common, f"--out_dir={tmp_path / 'split'}", "--max_iters=6", "--save_interval=3",
+              "--stages=toy/add:3", env=one_thread)  # stop after 3 (a one-stage run of 3 iterations) ...
+    run_train(*common, f"--out_dir={tmp_path / 'split'}", "--max_iters=6", "--init_from=resume",
+              "--stages=toy/add:3,toy/add:3", env=one_thread)  # ... then continue into a second stage of 3
+    full = [r for r in read_log(tmp_path / "full") if "loss" in r]
+    split = [r for r in read_log(tmp_path / "split") if "loss" in r]
+    assert [r["iter"] for r in split] == [1, 2, 3, 4, 5, 6]
+    for a, b in zip(full, split):
+        for key in ("loss", "reward", "resp_len", "div", "distill_frac", "grad_norm"):
+            assert a[key] == pytest.approx(b[key], rel=1e-6, abs=1e-9), (a["iter"], key, a[key], b[key])
+
+
+def test_resume_can_extend_a_finished_run_and_redoes_nothing(finished_run, tmp_path, toy_data):
+    """max_iters 2 -> 4 on a finished run trains iterations 3 and 4; the log keeps one record per
+    iteration (records after the checkpoint -- here fakes -- are dropped); the accuracy matrix
+    has one row for the (reopened) stage; an extra stage can follow, its rows as wide as the others."""
+    out = copy_of(finished_run, tmp_path)
+    with open(out / "log.jsonl", "a") as f:
+        f.write(json.dumps({"iter": 3, "loss": -1.0}) + "\n" + '{"iter": 4, "lo')  # after the checkpoint, half-written
+    train.main(tiny_cfg(toy_data, out, init_from="resume", max_iters=4))
+    assert [r["iter"] for r in read_log(out) if "loss" in r] == [1, 2, 3, 4]
+    assert all(r["loss"] != -1.0 for r in read_log(out) if "loss" in r)
+    with open(out / "accuracy_matrix.json") as f:
+        assert json.load(f)["stages"] == ["toy/add"]
+    train.main(tiny_cfg(toy_data, out, init_from="resume", stages="toy/add:4,toy/sub:1"))
+    with open(out / "accuracy_matrix.json") as f:
+        matrix = json.load(f)
+    assert matrix["stages"] == ["toy/add", "toy/sub"] and matrix["eval_sets"] == ["toy/add"]
+    assert [len(row) for row in matrix["rows"]] == [1, 1]  # the added stage's set is no new (ragged) column
+
+
+def resumed(run, *args):
+    return train.main(cli_cfg(f"--out_dir={run}", "--init_from=resume", *args))
+
+
+def test_a_resume_drops_the_samples_after_its_checkpoint_as_it_does_log_rows(toy_data, tmp_path):
+    run = tmp_path / "run"
+    train.main(tiny_cfg(toy_data, run, algo="grpo"))  # 2 iterations: samples at the end of the stage
+    fake = "from a run killed after its checkpoint"
+    with open(run / "samples.jsonl", "a") as f:
+        f.write(json.dumps({"iter": 3, "prompt": fake, "response": ""}) + "\n" + '{"iter": 4, "pro')
+    train.main(tiny_cfg(toy_data, run, algo="grpo", init_from="resume", max_iters=3))
+    rows = [json.loads(line) for line in (run / "samples.jsonl").read_text().splitlines()]
+    assert {r["iter"] for r in rows} == {2, 3} and all(r["prompt"] != fake for r in rows)
+
+
+@pytest.mark.parametrize("change,key", [("--algo=grpo", "algo"), ("--n_embd=64", "n_embd"), ("--learning_rate=0.5", "learning_rate"),
+                                        ("--stages=toy/sub:5", "stages")])
+def test_resume_refuses_a_changed_run_naming_the_key(finished_run, tmp_path, change, key):
+    out = copy_of(finished_run, tmp_path)
+    before = listing(out)
+    if key == "algo":  # once through the command line: one line, exit 1
+        assert "algo was" in one_line_error(run_train(*RUN, f"--out_dir={out}", "--init_from=resume", change, check=False))
+    else:
+        with pytest.raises(train.UserError, match=f"{key} (was|were)"):
+            train.main(cli_cfg(f"--out_dir={out}", "--init_from=resume", change))
+    assert listing(out) == before
+
+
+@pytest.mark.parametrize("edit,expect", [
+    (lambda s: s.pop("iter"), "iter is missing"),
+    (lambda s: s.update(iter=-7), "iter is -7, not an int >= 0"),
+    (lambda s: s.update(iter="3"), "iter is '3', not an int >= 0"),
+    (lambda s: s.pop("guard"), "guard is missing"),
+    (lambda s: s["guard"].update(best=[0.5]), "guard.best is [0.5], not a dict"),
+    (lambda s: s.update(world=2), "written by 2 rank(s), this run has 1"),
+])
+def test_a_state_json_that_parses_but_is_not_this_runs_is_one_line_and_truncates_nothing(finished_run, tmp_path, edit,
+                                                                                          expect):
+    run = copy_of(finished_run, tmp_path)
+    path = run / "ckpt" / "trainer" / "state.json"
+    state = json.loads(path.read_text())
+    edit(state)
+    path.write_text(json.dumps(state))
+    with open(run / "log.jsonl", "a") as f:  # rows after the checkpoint: a resume would drop them, a refusal must not
+        f.write(json.dumps({"iter": 3, "loss": 1.0}) + "\n")
+    before = listing(run)
+    with pytest.raises(train.UserError) as e:
+        resumed(run, "--max_iters=3")
+    assert expect in str(e.value) and "\n" not in str(e.value)
+    assert listing(run) == before
+
+
+def test_a_resume_on_other_data_is_refused_naming_the_file(finished_run, tmp_path):
+    run, data = copy_of(finished_run, tmp_path), tmp_path / "data"
+    shutil.copytree(os.path.join(ROOT, "data", "toy", "add"), data / "toy" / "add")
+    lines = (data / "toy" / "add" / "train.jsonl").read_text().splitlines(keepends=True)
+    (data / "toy" / "add" / "train.jsonl").write_text("".join(lines[:-1]))  # one record fewer
+    with pytest.raises(train.UserError, match=r"toy/add/train.jsonl in data_dir is not the file this run trained on"):
+        resumed(run, "--max_iters=3", f"--data_dir={data}")
+    (data / "toy" / "add" / "train.jsonl").write_text("".join(lines))  # the same data elsewhere: data_dir may move
+    resumed(run, "--max_iters=3", f"--data_dir={data}")
+    assert [r["iter"] for r in read_log(run) if "loss" in r] == [1, 2, 3]
+
+
+def test_resume_from_something_that_is_not_a_checkpoint(tmp_path, toy_data):
+    (tmp_path / "ckpt").mkdir()
+    proc = run_train(f"--out_dir={tmp_path}", "--init_from=resume", check=False)
+    assert proc.returncode != 0 and "ckpt" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("damage", ["truncated model", "truncated optimizer", "half-written state", "no teacher"])
+def test_a_damaged_checkpoint_is_one_line_naming_the_file(tmp_path, toy_data, damage):
+    out = tmp_path / "run"
+    algo = "sdpo" if damage == "no teacher" else "sft"
+    cfg = tiny_cfg(toy_data, out, algo=algo, **({"success_threshold": 0.0, "group_size": 2} if algo == "sdpo" else {}))
+    train.main(cfg)
+    ckpt = out / "ckpt"
+    target = {"truncated model": ckpt / "model.safetensors", "truncated optimizer": ckpt / "trainer" / "optimizer.safetensors",
+              "half-written state": ckpt / "trainer" / "state.json", "no teacher": ckpt / "trainer" / "teacher.safetensors"}[damage]
+    if damage == "no teacher":
+        target.unlink()
+    else:
+        target.write_bytes(target.read_bytes()[:len(target.read_bytes()) // 2])
+    with pytest.raises(train.UserError) as e:
+        train.main(dict(cfg, init_from="resume", max_iters=3))
+    assert str(target) in str(e.value) and "\n" not in str(e.value)
+
+
 def eval_cfg(**overrides):
     """eval.py's defaults, at the smallest settings."""
     from configurator import configure
@@ -171,148 +504,3 @@ def test_eval_reads_a_damaged_run_file_as_one_line(finished_run, tmp_path, damag
     with pytest.raises(train.UserError) as e:
         ev.main(eval_cfg(run_dir=str(run)))
     assert str(target) in str(e.value) and "\n" not in str(e.value)
-
-
-# ----------------------------------------------------------------------------- resume: crashes, damage, another run
-def _crash_at(k, fn, *args):
-    """Run fn(*args) in this (forked) process, killed with SIGKILL just before its (k+1)-th change
-    to the disk: a rename, link, mkdir, unlink or rmdir."""
-    calls = [0]
-
-    def counted(real):
-        def wrapper(*a, **kw):
-            calls[0] += 1
-            if calls[0] > k:
-                os.kill(os.getpid(), signal.SIGKILL)
-            return real(*a, **kw)
-        return wrapper
-    for name in ("replace", "link", "mkdir", "unlink", "rmdir"):
-        setattr(os, name, counted(getattr(os, name)))
-    fn(*args)
-
-
-def test_a_kill_at_any_point_of_keep_as_good_leaves_a_ckpt_good_that_the_next_start_recovers(finished_run, tmp_path):
-    ctx = multiprocessing.get_context("fork")
-    for k in range(500):
-        run = tmp_path / f"k{k}"
-        shutil.copytree(finished_run, run)
-        ckpt, good = run / "ckpt", run / "ckpt_good"
-        state = json.loads((good / "trainer" / "state.json").read_text())
-        (good / "trainer" / "state.json").unlink()  # the earlier ckpt_good: the same files, iteration 1
-        (good / "trainer" / "state.json").write_text(json.dumps(dict(state, iter=1)))
-        child = ctx.Process(target=_crash_at, args=(k, checkpoint.keep_as_good, str(ckpt), str(good)))
-        child.start()
-        child.join(60)
-        with checkpoint.take_over(str(run), resume=True, overwrite=False):
-            pass  # recovers ckpt/ and ckpt_good/
-        assert checkpoint.read_state(str(good))["iter"] in (1, 2), k  # complete, every file sound: old or new
-        if child.exitcode == 0:
-            assert checkpoint.read_state(str(good))["iter"] == 2 and k > 5
-            break
-        assert child.exitcode == -signal.SIGKILL
-    else:
-        pytest.fail("keep_as_good never finished")
-
-
-def resumed(run, *args):
-    return train.main(cli_cfg(f"--out_dir={run}", "--init_from=resume", *args))
-
-
-def test_a_resume_drops_the_samples_after_its_checkpoint_as_it_does_log_rows(toy_data, tmp_path):
-    run = tmp_path / "run"
-    train.main(tiny_cfg(toy_data, run, algo="grpo"))  # 2 iterations: samples at the end of the stage
-    fake = "from a run killed after its checkpoint"
-    with open(run / "samples.jsonl", "a") as f:
-        f.write(json.dumps({"iter": 3, "prompt": fake, "response": ""}) + "\n" + '{"iter": 4, "pro')
-    train.main(tiny_cfg(toy_data, run, algo="grpo", init_from="resume", max_iters=3))
-    rows = [json.loads(line) for line in (run / "samples.jsonl").read_text().splitlines()]
-    assert {r["iter"] for r in rows} == {2, 3} and all(r["prompt"] != fake for r in rows)
-
-
-@pytest.mark.parametrize("edit,expect", [
-    (lambda s: s.pop("iter"), "iter is missing"),
-    (lambda s: s.update(iter=-7), "iter is -7, not an int >= 0"),
-    (lambda s: s.update(iter="3"), "iter is '3', not an int >= 0"),
-    (lambda s: s.pop("guard"), "guard is missing"),
-    (lambda s: s["guard"].update(best=[0.5]), "guard.best is [0.5], not a dict"),
-    (lambda s: s.update(world=2), "written by 2 rank(s), this run has 1"),
-])
-def test_a_state_json_that_parses_but_is_not_this_runs_is_one_line_and_truncates_nothing(finished_run, tmp_path, edit,
-                                                                                          expect):
-    run = copy_of(finished_run, tmp_path)
-    path = run / "ckpt" / "trainer" / "state.json"
-    state = json.loads(path.read_text())
-    edit(state)
-    path.write_text(json.dumps(state))
-    with open(run / "log.jsonl", "a") as f:  # rows after the checkpoint: a resume would drop them, a refusal must not
-        f.write(json.dumps({"iter": 3, "loss": 1.0}) + "\n")
-    before = listing(run)
-    with pytest.raises(train.UserError) as e:
-        resumed(run, "--max_iters=3")
-    assert expect in str(e.value) and "\n" not in str(e.value)
-    assert listing(run) == before
-
-
-def test_a_resume_on_other_data_is_refused_naming_the_file(finished_run, tmp_path):
-    run, data = copy_of(finished_run, tmp_path), tmp_path / "data"
-    shutil.copytree(os.path.join(ROOT, "data", "toy", "add"), data / "toy" / "add")
-    lines = (data / "toy" / "add" / "train.jsonl").read_text().splitlines(keepends=True)
-    (data / "toy" / "add" / "train.jsonl").write_text("".join(lines[:-1]))  # one record fewer
-    with pytest.raises(train.UserError, match=r"toy/add/train.jsonl in data_dir is not the file this run trained on"):
-        resumed(run, "--max_iters=3", f"--data_dir={data}")
-    (data / "toy" / "add" / "train.jsonl").write_text("".join(lines))  # the same data elsewhere: data_dir may move
-    resumed(run, "--max_iters=3", f"--data_dir={data}")
-    assert [r["iter"] for r in read_log(run) if "loss" in r] == [1, 2, 3]
-
-
-# ----------------------------------------------------------------------------- a full or read-only disk
-@pytest.mark.parametrize("error", [errno.ENOSPC, errno.EROFS])
-def test_a_full_or_read_only_disk_while_saving_is_one_line_and_loses_nothing(toy_data, tmp_path, monkeypatch, error):
-    """The optimizer file of the second checkpoint fails to write: one line naming the folder, the
-    space; ckpt/ still holds the first checkpoint (iteration 2), nothing half-written stays, and the
-    run continues from it once the disk is back."""
-    run, real, calls = tmp_path / "run", checkpoint.save_file, []
-
-    def failing(tensors, path, *a, **kw):
-        calls.append(path)
-        if len(calls) == 3:  # iteration 0 (the initial model), iteration 2, then iteration 4
-            raise OSError(error, os.strerror(error))
-        return real(tensors, path, *a, **kw)
-    monkeypatch.setattr(checkpoint, "save_file", failing)
-    with pytest.raises(train.UserError) as e:
-        train.main(tiny_cfg(toy_data, run, max_iters=6, save_interval=2))
-    msg = str(e.value)
-    assert f"cannot write {run / 'ckpt.tmp'} ({os.strerror(error)};" in msg and "MB free there, about" in msg
-    assert f"{run / 'ckpt'} still holds the previous one" in msg and "\n" not in msg
-    assert checkpoint.read_state(str(run / "ckpt"))["iter"] == 2 and not (run / "ckpt.tmp").exists()
-    monkeypatch.setattr(checkpoint, "save_file", real)
-    train.main(tiny_cfg(toy_data, run, max_iters=6, save_interval=2, init_from="resume"))
-    assert [r["iter"] for r in read_log(run) if "loss" in r] == [1, 2, 3, 4, 5, 6]
-
-
-def test_a_full_disk_while_logging_is_one_line(tmp_path, monkeypatch):
-    import builtins
-    import metrics
-    real_open = builtins.open
-
-    def full(path, mode="r", *a, **kw):
-        if str(path).endswith("log.jsonl") and "a" in mode:
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        return real_open(path, mode, *a, **kw)
-    monkeypatch.setattr(builtins, "open", full)
-    with pytest.raises(UserError, match=f"^cannot write {tmp_path / 'log.jsonl'} \\(No space left on device\\)"):
-        metrics.RunLog(str(tmp_path), True, None, True).record({"iter": 1})
-
-
-# ----------------------------------------------------------------------------- file modes
-def test_checkpoint_files_get_the_umasks_mode_like_every_other_file(tmp_path, toy_data):
-    """safetensors writes 0600; a checkpoint (and ckpt_good, a stage snapshot) is 0644 under umask 022."""
-    old = os.umask(0o022)
-    try:
-        run = tmp_path / "run"
-        train.main(tiny_cfg(toy_data, run, stages="toy/add:1,toy/sub:1"))
-    finally:
-        os.umask(old)
-    folders = [run / "ckpt", run / "ckpt_good", run / "stage1_toy_add"]
-    modes = {p.relative_to(run): oct(p.stat().st_mode & 0o777) for f in folders for p in f.rglob("*") if p.is_file()}
-    assert any(str(p).endswith("optimizer.safetensors") for p in modes) and set(modes.values()) == {"0o644"}, modes

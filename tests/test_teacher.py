@@ -1,24 +1,30 @@
-"""The SDPO teacher, phase by phase: the context it reads (the demonstration, thinking stripped), the
-weights it starts from (teacher_init), one shared prefill per prompt that changes no number, the
-tokens it teaches (density and density_select), and what an SDPO run logs about it."""
+"""The teacher (teacher.py): whose weights read the teacher prompt (frozen, EMA, trust region, live;
+teacher_init), how it follows the student and resets at a stage boundary, the logits it gives the loss
+(one shared prefill per prompt; the same token positions as the student), what eval scores as it and
+what an SDPO run logs about it."""
 import contextlib
 import os
 
 import pytest
 import torch
 
-from conftest import TINY, defaults, read_log, run_train
-from test_train import hand_made_batch, tiny_setup
+from conftest import TINY, defaults, hand_made_batch, read_log, run_train, tiny_qwen2, tiny_setup
 
-import runtime
 import models
+import runtime
+import teacher
 import train
 
 
-def test_stray_think_closing_tag_drops_what_precedes_it():
-    assert train.strip_thinking("reasoning the template opened</think>\\boxed{3}") == "\\boxed{3}"
-    assert train.strip_thinking("<think>a</think>x<think>b</think>y") == "xy"
-    assert train.strip_thinking("answer <think>never closed") == "answer"
+def test_every_teacher_kind_has_a_row_in_the_teachers_table_and_a_model_scored_at_eval():
+    """Adding a kind is one place: Teacher's docstring table and methods (and CHOICES). At eval the
+    frozen / EMA teacher scores its own copy, live the student; trust_region is not scored."""
+    own, student = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+    rows = [line.split()[0] for line in train.Teacher.__doc__.splitlines() if line.startswith("        ")]
+    assert rows[1:] == list(train.CHOICES["teacher"])  # the header row, then one row per kind
+    scored = {kind: train.Teacher(kind, 0.1, own=own if kind in ("frozen", "ema") else None).eval_model(student)
+              for kind in train.CHOICES["teacher"]}
+    assert scored == {"frozen": own, "ema": own, "trust_region": None, "live": student}
 
 
 def test_teacher_init_is_the_teacher(toy_data, tmp_path):
@@ -36,88 +42,12 @@ def test_teacher_init_is_the_teacher(toy_data, tmp_path):
         assert not torch.equal(next(run.model.parameters()), next(other.parameters()))
 
 
-def test_shared_prompt_hidden_equals_one_forward_per_sequence(toy_data):
-    """The teacher's sharing (one prefill per distinct prompt, one read per distinct prompt+response
-    pair) changes no number."""
-    cfg, model, tokenizer = tiny_setup(toy_data, "sdpo")
-    model.eval()
-    p1, p2 = [1, 5, 6, 7, 8, 9, 10], [1, 11, 12]
-    prompts = [p1, p1, p2, p1, p2, p1, p2]
-    responses = [[20, 21, 22, 2], [23, 2], [24, 25, 26, 27, 28, 2], [2], [29, 30, 2], [23, 2], [23, 2]]
-    with torch.no_grad():
-        plain = models.response_hidden(model, prompts, responses, torch.device("cpu"))
-    shared = models.shared_prompt_hidden(model, prompts, responses, torch.device("cpu"))
-    assert shared.shape == plain.shape == (sum(map(len, responses)), 32)
-    torch.testing.assert_close(shared, plain, atol=1e-5, rtol=1e-5)
-
-
-def test_density_one_distills_every_token_of_every_response_with_a_peer(toy_data):
-    cfg, model, tokenizer = tiny_setup(toy_data, "sdpo", success_threshold=0.0, group_size=4, max_new_tokens=6,
-                                       density=1.0)
-    tasks = train.load_tasks("toy/add", "test", toy_data)[:2]
-    g = torch.Generator().manual_seed(0)
-    batch, metrics = train.build_batch(tasks, model, tokenizer, cfg, g, torch.device("cpu"))
-    n = sum(len(r) for r in batch.response_ids)
-    assert metrics["peer_frac"] == 1.0 and metrics["distill_frac"] == 1.0
-    assert all(torch.allclose(w, torch.full_like(w, 1.0 / n)) for w in batch.distill_weight)
-    batch, metrics = train.build_batch(tasks, model, tokenizer, dict(cfg, density=0.5), g, torch.device("cpu"))
-    kept = sum(int((w > 0).sum()) for w in batch.distill_weight)
-    assert 0 < kept < sum(len(r) for r in batch.response_ids)
-    assert all(torch.allclose(w[w > 0], torch.tensor(1.0 / kept)) for w in batch.distill_weight if (w > 0).any())
-
-
-def test_density_selection_keeps_the_fraction_and_picks_its_tokens(toy_data):
-    n = [10, 7, 1]
-    last = train.density_masks(n, 0.3, None, "last")
-    assert [m.tolist() for m in last] == [[False] * 7 + [True] * 3, [False] * 5 + [True] * 2, [True]]
-    placeholder = train.density_masks(n, 0.3, None, "disagree")
-    assert [int(m.sum()) for m in placeholder] == [3, 2, 1]
-    # disagree: the same count per response, moved to the largest divergences (a live teacher on another prompt)
-    cfg, model, tokenizer = tiny_setup(toy_data, "sdpo", teacher="live", density=0.5, density_select="disagree")
-    batch = hand_made_batch(tokenizer, with_teacher=True)
-    lengths = [len(r) for r in batch.response_ids]
-    weights = torch.cat([m.float() / 7 for m in train.density_masks(lengths, 0.5, None, "disagree")])
-    tokens = torch.tensor([t for r in batch.response_ids for t in r])
-    with torch.no_grad():
-        h = models.response_hidden(model, batch.prompt_ids, batch.response_ids, torch.device("cpu"))
-        teacher = train.Teacher("live", 0.0).logits(model, batch.teacher_prompt_ids, batch.response_ids,
-                                                    torch.device("cpu"))
-        _, stats = train.naive_token_loss(h, model.get_output_embeddings().weight, tokens, lambda *a: a[0].sum(),
-                                          teacher=teacher, alpha=0.5, distill="topk", topk=10, tail=True)
-    picked = train.select_by_divergence(h, model.get_output_embeddings().weight, tokens, teacher, weights, lengths=lengths,
-                                        cfg=cfg, token_loss=train.naive_token_loss, options={})
-    start = 0
-    for length in lengths:
-        w, div = picked[start:start + length], stats["div"][start:start + length]
-        k = int((weights[start:start + length] > 0).sum())
-        assert int((w > 0).sum()) == k and set(w.nonzero().squeeze(1).tolist()) == set(div.topk(k).indices.tolist())
-        start += length
-
-
-def test_an_sdpo_run_logs_its_teachers_accuracy_and_the_diagnostics(toy_data, tmp_path):
-    out = tmp_path / "run"
-    run_train("config/sdpo_toy.py", *TINY, "--init_from=scratch", "--success_threshold=0.0", "--dataset=toy/add",
-              "--distill_agg=seq-mean", "--density=0.5", "--density_select=last", f"--out_dir={out}", "--max_iters=2",
-              "--device=cpu")
-    log = read_log(out)
-    evals = [r for r in log if "eval_tag" in r]
-    assert len(evals) == 2 and all("eval/toy/add/teacher_mean@2" in r and "eval/toy/add/mean@2" in r for r in evals)
-    steps = [r for r in log if "loss" in r]
-    for key in ("ratio_mean", "ratio_max", "clip_frac", "kl_sampler", "entropy", "div", "topk_mass", "sampled_logratio"):
-        assert all(key in r for r in steps), key
-    assert all(0 < r["topk_mass"] <= 1 and r["entropy"] > 0 and r["ratio_max"] >= r["ratio_mean"] > 0 for r in steps)
-    assert (out / "samples.jsonl").exists()
-
-
-def test_every_teacher_kind_has_a_row_in_the_teachers_table_and_a_model_scored_at_eval():
-    """Adding a kind is one place: Teacher's docstring table and methods (and CHOICES). At eval the
-    frozen / EMA teacher scores its own copy, live the student; trust_region is not scored."""
-    own, student = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
-    rows = [line.split()[0] for line in train.Teacher.__doc__.splitlines() if line.startswith("        ")]
-    assert rows[1:] == list(train.CHOICES["teacher"])  # the header row, then one row per kind
-    scored = {kind: train.Teacher(kind, 0.1, own=own if kind in ("frozen", "ema") else None).eval_model(student)
-              for kind in train.CHOICES["teacher"]}
-    assert scored == {"frozen": own, "ema": own, "trust_region": None, "live": student}
+def test_the_ema_update_moves_the_teacher_by_tau_towards_the_student():
+    a, b = tiny_qwen2(seed=0), tiny_qwen2(seed=1)
+    before = [p.clone() for p in a.parameters()]
+    teacher.ema_update(a, b, 0.25)
+    for p0, p, q in zip(before, a.parameters(), b.parameters()):
+        torch.testing.assert_close(p, 0.75 * p0 + 0.25 * q)
 
 
 def test_the_teacher_follows_the_student_by_its_kind_and_resets_at_a_stage_boundary(toy_data):
@@ -161,3 +91,44 @@ def test_the_trust_region_teachers_logits_are_the_initial_and_current_models_mix
         assert share.hidden[:n0].abs().max() == 0
         torch.testing.assert_close(share.hidden[n0:], want, atol=1e-5, rtol=1e-5)
         assert share.weight is m.get_output_embeddings().weight or torch.equal(share.weight, m.get_output_embeddings().weight)
+
+
+def test_shared_prompt_hidden_equals_one_forward_per_sequence(toy_data):
+    """The teacher's sharing (one prefill per distinct prompt, one read per distinct prompt+response
+    pair) changes no number."""
+    cfg, model, tokenizer = tiny_setup(toy_data, "sdpo")
+    model.eval()
+    p1, p2 = [1, 5, 6, 7, 8, 9, 10], [1, 11, 12]
+    prompts = [p1, p1, p2, p1, p2, p1, p2]
+    responses = [[20, 21, 22, 2], [23, 2], [24, 25, 26, 27, 28, 2], [2], [29, 30, 2], [23, 2], [23, 2]]
+    with torch.no_grad():
+        plain = models.response_hidden(model, prompts, responses, torch.device("cpu"))
+    shared = models.shared_prompt_hidden(model, prompts, responses, torch.device("cpu"))
+    assert shared.shape == plain.shape == (sum(map(len, responses)), 32)
+    torch.testing.assert_close(shared, plain, atol=1e-5, rtol=1e-5)
+
+
+def test_teacher_reads_the_same_token_positions_as_the_student(toy_data):
+    """A live teacher given the student's own prompt is the student: divergence exactly ~0 on
+    every token, which only holds if both score the same response ids at the same positions."""
+    cfg, model, tokenizer = tiny_setup(toy_data, "sdpo", teacher="live", distill="full")
+    batch = hand_made_batch(tokenizer, with_teacher=True)
+    batch.teacher_prompt_ids = list(batch.prompt_ids)
+    m = train.loss_backward(model, batch, cfg, torch.device("cpu"))
+    assert m["distill_tokens"] == sum(len(r) for r in batch.response_ids)
+    assert abs(m["div_sum"]) < 1e-5 and abs(m["logratio_ok_sum"] + m["logratio_failed_sum"]) < 1e-4
+
+
+def test_an_sdpo_run_logs_its_teachers_accuracy_and_the_diagnostics(toy_data, tmp_path):
+    out = tmp_path / "run"
+    run_train("config/sdpo_toy.py", *TINY, "--init_from=scratch", "--success_threshold=0.0", "--dataset=toy/add",
+              "--distill_agg=seq-mean", "--density=0.5", "--density_select=last", f"--out_dir={out}", "--max_iters=2",
+              "--device=cpu")
+    log = read_log(out)
+    evals = [r for r in log if "eval_tag" in r]
+    assert len(evals) == 2 and all("eval/toy/add/teacher_mean@2" in r and "eval/toy/add/mean@2" in r for r in evals)
+    steps = [r for r in log if "loss" in r]
+    for key in ("ratio_mean", "ratio_max", "clip_frac", "kl_sampler", "entropy", "div", "topk_mass", "sampled_logratio"):
+        assert all(key in r for r in steps), key
+    assert all(0 < r["topk_mass"] <= 1 and r["entropy"] > 0 and r["ratio_max"] >= r["ratio_mean"] > 0 for r in steps)
+    assert (out / "samples.jsonl").exists()

@@ -16,7 +16,7 @@ Sections (each check prints PASS / FAIL with its numbers as it finishes):
        - train.generate(static=True) == the dynamic-cache decode with the device generator: the same
          tokens (fp32), and under bf16 autocast (train.py's CUDA rollouts) nearly all rows the same
        - a resume on the device continues exactly: `python train.py` SDPO + EMA teacher 3 + 3
-         iterations == 6 (tests/test_train.py::test_resume_continues_exactly, on the device; on CUDA
+         iterations == 6 (tests/test_run_folder.py::test_resume_continues_exactly, on the device; on CUDA
          under torch.use_deterministic_algorithms, so only the resume itself can make them differ)
   b  a short toy SFT -> GRPO -> SDPO, `python train.py ... --device=<dev> --static_rollout=on`
      subprocesses: accuracy (mean@4 on toy/add) before and after, and seconds per phase; the SDPO run

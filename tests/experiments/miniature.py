@@ -283,7 +283,7 @@ def run_metrics(out_dir, n_stages=None):
             log = [json.loads(line) for line in f]
     rewards = [x["reward"] for x in log if x.get("stage") == first and "reward" in x]
     first_iters = max([x["iter"] for x in log if x.get("stage") == first and "reward" in x] or [0])
-    mid_key = f"eval/{first}/mean@"  # train.run_eval's record: {"iter", "eval_tag", "eval/<set>/mean@n", ...}
+    mid_key = f"eval/{first}/mean@"  # train.score_and_log_eval_sets's record: {"iter", "eval_tag", "eval/<set>/mean@n", ...}
     periodic = [x for x in log if x.get("eval_tag") == "periodic" and x["iter"] <= first_iters]
     mmd = [v["mmd2"] for v in d["response"].values() if v.get("mmd2") is not None] if d else []
     leak = [v["model"]["foreign_format"] for v in d["artifacts"].values()] if d else []

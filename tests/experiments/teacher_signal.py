@@ -5,7 +5,7 @@ domain, with the toy base model, compare the model without and with a demonstrat
   (a) log-probability of the *correct* reference response (task["solution"] + EOS), the same
       token ids scored after the plain prompt and after the teacher prompt: summed over the
       response, per response token, and summed over the answer's own tokens only;
-  (b) accuracy, mean@n at temperature 0.6 / top_p 0.95 (train.evaluate), plain vs in context;
+  (b) accuracy, mean@n at temperature 0.6 / top_p 0.95 (train.sample_and_score), plain vs in context;
   (c) the same with a *wrong* demonstration (the solution with one character of the answer
       changed): does the teacher still prefer the correct response, or copy the demonstration?
       "wrong" columns score the wrong demonstration's own response, and copy@n is the fraction
@@ -139,7 +139,7 @@ def main():
             lp_w = score(model, prompts, wrong_resp, dev)
             ans = [float(lp[a:b].sum()) for lp, (a, b) in zip(lp_c, spans)]
             gen = train.make_generator(args.seed, dev)  # the same sampling stream for every variant
-            ev = train.evaluate(model, tokenizer, vt, n=args.n, temperature=args.temperature, top_p=args.top_p,
+            ev = train.sample_and_score(model, tokenizer, vt, n=args.n, temperature=args.temperature, top_p=args.top_p,
                                 max_new_tokens=args.max_new_tokens, batch_prompts=len(vt), generator=gen)
             copies = [train.reward(t["kind"], text, w)[0] for t, w, texts in zip(tasks, wrong, ev["texts"]) for text in texts]
             rows[name] = {
