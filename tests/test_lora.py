@@ -13,8 +13,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from conftest import ROOT, TINY, defaults, read_log, run_train
-from test_train import hand_made_batch
+from conftest import ROOT, TINY, defaults, hand_made_batch, one_line_error, read_log, run_train
 
 import checkpoint
 import decoding
@@ -195,8 +194,7 @@ def test_a_bad_lora_setting_is_one_line_and_writes_nothing(toy_data, base_dir, t
 def test_a_bad_lora_target_from_the_command_line_is_one_line(toy_data, base_dir, tmp_path):
     proc = run_train("config/sdpo_toy.py", *TINY, f"--init_from={base_dir}", "--lora_rank=4", "--lora_targets=qproj",
                      f"--out_dir={tmp_path / 'run'}", "--device=cpu", check=False)
-    assert proc.returncode == 1 and "Traceback" not in proc.stderr
-    assert proc.stderr.strip().splitlines() == [proc.stderr.strip()] and "'qproj' names no module" in proc.stderr
+    assert "'qproj' names no module" in one_line_error(proc)
     assert not (tmp_path / "run").exists()
 
 
@@ -309,8 +307,6 @@ def test_lora_models_and_their_views_decode_on_the_static_cache_as_on_the_dynami
 def test_two_ranks_of_lora_equal_one_process(toy_data, base_dir, tmp_path):
     """Data parallelism over LoRA: the ranks sum the adapters' gradients only (the frozen base has
     none to all-reduce) and the merged model after 2 steps equals the one-process run's."""
-    from test_ddp import weights
-
     def torchrun(nproc, *argv):  # this interpreter's torch.distributed.run (a torchrun on PATH may be another python's)
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "train.py", *argv]
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600,
@@ -322,7 +318,7 @@ def test_two_ranks_of_lora_equal_one_process(toy_data, base_dir, tmp_path):
     run_train(*args, f"--out_dir={tmp_path / 'one'}")
     sums = [r["rank_param_sums"] for r in read_log(tmp_path / "two") if "rank_param_sums" in r]
     assert sums and all(len(s) == 2 and s[0] == s[1] for s in sums)
-    two, one = weights(tmp_path / "two"), weights(tmp_path / "one")
+    two, one = (load_file(str(tmp_path / run / "ckpt" / "model.safetensors")) for run in ("two", "one"))
     assert any(not torch.equal(one[k], v) for k, v in load_file(os.path.join(base_dir, "model.safetensors")).items())
     for k in one:
         torch.testing.assert_close(two[k], one[k], rtol=1e-4, atol=1e-5)
