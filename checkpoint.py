@@ -17,6 +17,11 @@ it is in metrics.py.)
                             order), optimizer.safetensors (+ every rank's sampling RNG),
                             teacher.safetensors, model_fp32.safetensors (when the export is bf16);
                             with parallel=fsdp the same files, gathered to rank 0 first (gather_full)
+        adapter/            LoRA runs (lora_rank > 0): peft's adapter folder (adapter_config.json,
+                            adapter_model.safetensors in fp32; PeftModel.from_pretrained loads it on
+                            the base). The model above is then the merged one (W + B·A, no peft needed
+                            to serve it); a resume reloads the base from the first run's init_from and
+                            this adapter, and teacher.safetensors holds only the teacher's adapter copy
       ckpt_good/            the last checkpoint whose eval passed the collapse guard (hard links); until
                             one passes, the initial model (a fresh run saves it before its first step)
 
@@ -27,9 +32,11 @@ is written the same way). A checkpoint is written holding out_dir/.ckpt.lock, wh
 (eval.py) holds shared while it loads one: it never sees one between its renames.
 """
 import contextlib
+import copy
 import fcntl
 import hashlib
 import json
+import math
 import os
 import random
 import re
@@ -38,11 +45,13 @@ import struct
 from dataclasses import asdict, dataclass
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, load_model, save_file, save_model
 
 import metrics
 import runtime
 from configurator import UserError
+from models import adapter_tensors, base_fingerprint, lora_layers, merged_state_dict
 
 RUN_OUTPUTS = r"log\.jsonl|samples\.jsonl|accuracy_matrix\.json|ckpt(_good)?(\.tmp|\.old)?|stage\d+_.+|eval(_\w+)?\.(json|md|png)"
 # config keys a resumed run may change: where and how it runs, not what it computes
@@ -246,27 +255,63 @@ def _folder_bytes(folder):
     return sum(os.path.getsize(os.path.join(root, f)) for root, _, files in os.walk(folder) for f in files)
 
 
+def export_weights(model, save_dtype, state_dict=None):
+    """The weights ckpt/ exports, in save_dtype (None: the model's own state dict as it is). A LoRA
+    model's are merged (models.merged_state_dict), always cast: its frozen base may be bf16.
+    state_dict: a sharded model's, gathered (runtime.full_state_dict; rank 0 writes)."""
+    lora, dtype, cast = bool(lora_layers(model)), getattr(torch, save_dtype), {}
+    if dtype == torch.float32 and not lora:
+        return state_dict
+    weights = {}
+    for k, v in (merged_state_dict(model) if lora else state_dict or model.state_dict()).items():
+        if v.data_ptr() not in cast:  # cast each tensor once: tied weights (embedding = LM head) stay one
+            cast[v.data_ptr()] = v.to(dtype)
+        weights[k] = cast[v.data_ptr()]
+    return weights
+
+
+def _save_model_folder(folder, model, tokenizer, save_dtype="float32", state_dict=None):
+    """A plain HF model folder: weights in save_dtype (merged for LoRA, gathered for FSDP), config, tokenizer."""
+    model.save_pretrained(folder, state_dict=export_weights(model, save_dtype, state_dict))
+    if save_dtype != "float32" or lora_layers(model):  # the exported config says so: from_pretrained loads that dtype
+        _set_config_dtype(os.path.join(folder, "config.json"), save_dtype)
+    tokenizer.save_pretrained(folder)
+
+
+def save_adapter(folder, model, base_name):
+    """peft's adapter folder for a LoRA model: adapter_config.json (base_model_name_or_path: the
+    base it was trained on) and adapter_model.safetensors (fp32, under peft's names)."""
+    config = copy.copy(model.peft_config["default"])
+    config.base_model_name_or_path = base_name
+    config.save_pretrained(folder)
+    save_file({k: p.detach().contiguous() for k, p in adapter_tensors(model).items()},
+              os.path.join(folder, "adapter_model.safetensors"), metadata={"nanosdpo_base": json.dumps(base_fingerprint(model))})
+
+
+def _own_tensors(teacher_model, model):
+    """The teacher's weights a checkpoint keeps: under LoRA only those it does not share with the
+    student (an EMA teacher's adapter copy; none for the frozen base view)."""
+    shared = {id(p) for p in model.parameters()}
+    return {n: p for n, p in teacher_model.named_parameters() if id(p) not in shared}
+
+
 def _write(tmp, *, model, tokenizer, optimizer, teacher_model, state, rng_tensors, save_dtype, full):
     shutil.rmtree(tmp, ignore_errors=True)
-    dtype, weights, cast, gathered = getattr(torch, save_dtype), None, {}, full.get("model")
-    if dtype != torch.float32:  # cast each tensor once, so tied weights (embedding = LM head) stay one
-        weights = {}
-        for k, v in (gathered or model.state_dict()).items():
-            if v.data_ptr() not in cast:
-                cast[v.data_ptr()] = v.to(dtype)
-            weights[k] = cast[v.data_ptr()]
-    model.save_pretrained(tmp, state_dict=weights if weights is not None else gathered)
-    if weights is not None:  # the exported config says so, so from_pretrained loads it in that dtype
-        _set_config_dtype(os.path.join(tmp, "config.json"), save_dtype)
-    tokenizer.save_pretrained(tmp)
+    _save_model_folder(tmp, model, tokenizer, save_dtype, full.get("model"))
+    lora = bool(lora_layers(model))
+    if lora:
+        save_adapter(os.path.join(tmp, "adapter"), model, None if state["base_init"] == "scratch" else state["base_init"])
     trainer = os.path.join(tmp, "trainer")
     os.makedirs(trainer)
     opt = full.get("optimizer") or optimizer.state_dict()
     tensors = {f"{i}.{k}": v.contiguous() for i, s in opt["state"].items() for k, v in s.items()}
     save_file({**tensors, **{f"rng.{k}": v for k, v in rng_tensors.items()}}, os.path.join(trainer, "optimizer.safetensors"))
-    for name, module, whole in (("teacher", teacher_model, full.get("teacher")), ("model_fp32", model, gathered)):
-        if module is None or (name == "model_fp32" and weights is None):  # exact resume needs the fp32 master weights
-            continue
+    if teacher_model is not None and lora:
+        save_file({n: p.detach().contiguous() for n, p in _own_tensors(teacher_model, model).items()},
+                  os.path.join(trainer, "teacher.safetensors"))
+    for name, module, whole in (("teacher", teacher_model, full.get("teacher")), ("model_fp32", model, full.get("model"))):
+        if module is None or lora or (name == "model_fp32" and save_dtype == "float32"):  # exact resume needs the fp32
+            continue  # master weights (LoRA: the adapter is fp32; the teacher's own tensors are written above)
         path = os.path.join(trainer, f"{name}.safetensors")
         save_file(runtime.unshared(whole), path) if whole is not None else save_model(module, path)
     with open(os.path.join(trainer, "state.json.tmp"), "w") as f:
@@ -290,8 +335,7 @@ def save_snapshot(folder, ckpt_dir, model, tokenizer, state_dict=None):
     with writing(ckpt_dir):
         with disk_errors(folder + ".tmp", _folder_bytes(ckpt_dir)):
             shutil.rmtree(folder + ".tmp", ignore_errors=True)
-            model.save_pretrained(folder + ".tmp", state_dict=state_dict)
-            tokenizer.save_pretrained(folder + ".tmp")
+            _save_model_folder(folder + ".tmp", model, tokenizer, state_dict=state_dict)
             umask_modes(folder + ".tmp")
         shutil.rmtree(folder, ignore_errors=True)
         os.replace(folder + ".tmp", folder)
@@ -354,7 +398,10 @@ def read_state(ckpt_dir):
     except ValueError as e:
         raise UserError(f"{path} is damaged ({e}): the checkpoint cannot be resumed") from None
     check_state(state, path)
-    for name in sorted(os.listdir(ckpt_dir)) + [os.path.join("trainer", n) for n in sorted(os.listdir(trainer))]:
+    names = sorted(os.listdir(ckpt_dir)) + [os.path.join("trainer", n) for n in sorted(os.listdir(trainer))]
+    if os.path.isdir(os.path.join(ckpt_dir, "adapter")):
+        names += [os.path.join("adapter", n) for n in sorted(os.listdir(os.path.join(ckpt_dir, "adapter")))]
+    for name in names:
         if name.endswith(".safetensors"):
             check_safetensors(os.path.join(ckpt_dir, name))
     return state
@@ -483,14 +530,41 @@ def load_trainer(ckpt_dir, state, model, optimizer, teacher_model):
 
     def into(module, path):
         runtime.load_full_state_dict(module, load_file(path)) if sharded else load_model(module, path)
-    if os.path.exists(os.path.join(trainer, "model_fp32.safetensors")):
+    lora = bool(lora_layers(model))
+    if lora:  # the base is init_from's, reloaded; the adapter is the state
+        adapter = os.path.join(ckpt_dir, "adapter", "adapter_model.safetensors")
+        if not os.path.exists(adapter):
+            raise UserError(f"{adapter} is missing: the checkpoint has no LoRA adapter to resume (was it written "
+                            "with lora_rank=0?)")
+        _load_tensors(adapter_tensors(model), adapter, "the LoRA adapter")
+        with safe_open(adapter, "pt") as f:
+            saved_base = json.loads((f.metadata() or {}).get("nanosdpo_base", "null"))
+        if saved_base is not None and not all(math.isclose(a, b, rel_tol=1e-6)  # sums in another order: not bit-exact
+                                              for a, b in zip(saved_base, base_fingerprint(model))):
+            raise UserError(f"init_from=resume: the base {state['base_init']} holds other weights than the run's LoRA "
+                            "adapter was trained on (it changed since): restore that base, or start a new out_dir")
+    elif os.path.exists(os.path.join(trainer, "model_fp32.safetensors")):
         into(model, os.path.join(trainer, "model_fp32.safetensors"))
     if teacher_model is not None:
         path = os.path.join(trainer, "teacher.safetensors")
         if not os.path.exists(path):
             raise UserError(f"{path} is missing: the checkpoint has no teacher to resume")
-        into(teacher_model, path)
+        if lora:
+            _load_tensors(_own_tensors(teacher_model, model), path, "the teacher's adapter")
+        else:
+            into(teacher_model, path)
     return {k[4:]: v for k, v in tensors.items() if k.startswith("rng.")}
+
+
+@torch.no_grad()
+def _load_tensors(params, path, what):
+    """A safetensors file into {name: parameter}, exactly: the same names and shapes, or one line."""
+    tensors = load_file(path)
+    if set(tensors) != set(params) or any(tensors[k].shape != p.shape for k, p in params.items()):
+        raise UserError(f"{path} does not hold {what} of this model ({len(tensors)} tensors, {len(params)} expected): "
+                        "the checkpoint cannot be resumed with these settings")
+    for k, p in params.items():
+        p.copy_(tensors[k])
 
 
 # ----------------------------------------------------------------------------- resuming

@@ -2,7 +2,9 @@
 Any HF causal LM, the way train.py needs it: loaded (or a toy model built from scratch), checked
 once at load, dropout off, its decoder body and LM head taken apart for the fused loss (the hidden
 states that predict each response token, with the teacher's shared-prompt prefill), its EOS ids and
-its prompts. Decoding with a KV cache is decoding.py; the device, autocast and ranks are runtime.py.
+its prompts; with lora_rank > 0, peft's LoRA adapters on it (apply_lora, the base views the LoRA
+teachers read, the merged weights ckpt/ exports). Decoding with a KV cache is decoding.py; the device,
+autocast and ranks are runtime.py.
 
 train.py never asks the model for its training logits: it runs the decoder body, keeps the final
 hidden states h and does the LM head itself, in chunks (models.lm_head). That is only right if the
@@ -17,15 +19,17 @@ import functools
 import inspect
 import math
 import os
+import sys
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 from huggingface_hub.utils import logging as hf_hub_logging
 from transformers.utils import logging as hf_logging
 
-from configurator import UserError
+from configurator import UserError, require
 from data import tasks as data_tasks
 from decoding import CACHE, new_cache
+from runtime import amp_dtype
 
 # progress bars and hub retry warnings would bury the one-line errors and the training log
 hf_logging.disable_progress_bar()
@@ -422,6 +426,19 @@ def load_model(init, dev, dtype=torch.float32, scratch=None, with_tokenizer=True
     return model, tokenizer
 
 
+def load_student(init, dev, cfg):
+    """The model train.py trains, and its tokenizer: load_model(init), with LoRA adapters on it when
+    lora_rank > 0 (apply_lora; its frozen base kept in the autocast dtype, and then loaded and checked
+    in fp32 on the CPU first, so the GPU never holds the fp32 base)."""
+    if not cfg["lora_rank"]:
+        return load_model(init, dev, scratch=cfg)
+    base_dtype = amp_dtype(dev, cfg["dtype"])
+    model, tokenizer = load_model(init, torch.device("cpu") if base_dtype else dev, scratch=cfg)
+    model = apply_lora(model, rank=cfg["lora_rank"], alpha=cfg["lora_alpha"], targets=cfg["lora_targets"],
+                       base_dtype=base_dtype)
+    return model.to(dev), tokenizer
+
+
 def enable_grad_checkpointing(model):
     """Recompute each decoder block in the backward instead of keeping its activations. Only
     forwards with grad recompute: rollouts and teacher forwards (no grad) keep their KV cache."""
@@ -433,3 +450,151 @@ def frozen_copy(model):
     m = copy.deepcopy(model).eval()
     m.requires_grad_(False)
     return m
+
+
+# ----------------------------------------------------------------------------- LoRA (peft, optional)
+# lora_rank > 0 trains low-rank adapters on the model's linear layers through peft, injected in place:
+# the student stays the HF model train.py knows (body, LM head, cache), its adapted layers peft's
+# LoraLayer. The teachers that need "the model without the adapter" get a view of it (base_view):
+# the same base tensors, no second model in memory. The LM head is never adapted: the fused loss
+# reads the head's weight itself (models.lm_head), and would miss an adapter's share of the logits.
+LORA_ALL = "all-linear"  # peft's name for every linear layer but the output (LM head)
+
+
+def check_lora_settings(cfg):
+    """The LoRA knobs that need no model, checked with the rest of the config (one line each); peft
+    is imported here, only when lora_rank > 0."""
+    if not cfg["lora_rank"]:
+        return
+    require("peft", f"lora_rank={cfg['lora_rank']}")
+    if not lora_target_names(cfg["lora_targets"]):
+        raise UserError(f"lora_targets={cfg['lora_targets']!r} names no module: give comma-separated linear layer names "
+                        f"(q_proj,v_proj) or '{LORA_ALL}'")
+    if cfg["teacher_init"]:
+        raise UserError("teacher_init mixes a checkpoint into the teacher's weights, but a LoRA teacher shares the "
+                        "student's frozen base: set teacher_init='' with lora_rank > 0 (or train without LoRA)")
+    if cfg["teacher"] == "frozen" and cfg["teacher_stage_reset"] == "student":
+        raise UserError("teacher=frozen with LoRA is the base with the adapter off, which cannot become a copy of the "
+                        "student: use teacher=ema --teacher_rate=0 (an adapter copy that stays put) for "
+                        "teacher_stage_reset=student")
+    if cfg.get("parallel", "ddp") == "fsdp":  # the FSDP branch's knob: sharding a frozen base and its adapters is not done
+        raise UserError("lora_rank > 0 with parallel=fsdp is not supported: LoRA's state is small enough for data "
+                        "parallelism (parallel=ddp), or train without LoRA")
+
+
+def lora_target_names(targets):
+    """'q_proj, v_proj' -> ['q_proj', 'v_proj']; 'all-linear' stays peft's one string."""
+    names = [t.strip() for t in targets.split(",") if t.strip()]
+    return LORA_ALL if names == [LORA_ALL] else names
+
+
+def check_lora_targets(model, targets):
+    """The modules lora_targets names (exact names or their last parts, as peft matches them), each a
+    linear layer of the model and not its LM head; anything else is one line listing what it has."""
+    names = lora_target_names(targets)
+    if names == LORA_ALL:
+        return names
+    from transformers.pytorch_utils import Conv1D  # GPT-2's linear layers
+    head = model.get_output_embeddings()
+    modules = dict(model.named_modules())
+    linear = sorted({n.rsplit(".", 1)[-1] for n, m in modules.items() if isinstance(m, (torch.nn.Linear, Conv1D))
+                     and m is not head})
+    for name in names:
+        found = [m for n, m in modules.items() if n == name or n.endswith("." + name)]
+        if any(m is head for m in found):
+            raise UserError(f"lora_targets names {name}, the LM head: nanoSDPO never adapts it (the fused loss reads the "
+                            f"head's weight itself): leave it out, or use '{LORA_ALL}' (which leaves it out)")
+        wrong = next((m for m in found if not isinstance(m, (torch.nn.Linear, Conv1D))), None)
+        if not found or wrong is not None:
+            what = f"is a {type(wrong).__name__}, not a linear layer" if found else "names no module"
+            raise UserError(f"lora_targets: {name!r} {what} of {type(model).__name__}: its linear layers are "
+                            f"{', '.join(linear)} (or '{LORA_ALL}')")
+    return names
+
+
+def apply_lora(model, *, rank, alpha, targets, base_dtype=None):
+    """The model with peft's LoRA adapters on `targets` (injected in place, and returned): only the
+    adapters train, in fp32; every base weight is frozen, and stored in base_dtype when given (the
+    autocast dtype: bf16 on CUDA, where every matmul casts to it anyway and a frozen weight needs no
+    fp32 master copy). The adapters start at B = 0, so the model starts as the base exactly."""
+    peft = require("peft", f"lora_rank={rank}")
+    config = peft.LoraConfig(r=rank, lora_alpha=alpha, target_modules=check_lora_targets(model, targets),
+                             lora_dropout=0.0, bias="none")  # dropout off, as everywhere in RL (disable_dropout)
+    peft.inject_adapter_in_model(config, model)
+    for p in model.parameters():
+        if p.requires_grad:  # an adapter weight
+            p.data = p.data.float()
+        elif base_dtype is not None:
+            p.data = p.data.to(base_dtype)  # tied weights are one Parameter: cast once
+    return model
+
+
+def lora_layers(model):
+    """{name: layer} of the model's LoRA-adapted layers; empty for a plain model (peft never imported)."""
+    lora = sys.modules.get("peft.tuners.lora")
+    return {} if lora is None else {n: m for n, m in model.named_modules() if isinstance(m, lora.LoraLayer)}
+
+
+def _tree_view(module, replace):
+    """A copy of the module tree that shares every parameter and buffer with the original; replace(m)
+    gives the module to use in m's place (shared as it is), or None to copy m and walk on."""
+    swapped = replace(module)
+    if swapped is not None:
+        return swapped
+    clone = copy.copy(module)  # the attributes (config, flags) shared; the dicts below its own
+    clone._parameters, clone._buffers = dict(module._parameters), dict(module._buffers)
+    clone._modules = {k: None if m is None else _tree_view(m, replace) for k, m in module._modules.items()}
+    return clone
+
+
+def base_view(model):
+    """A LoRA model without its adapters, as a model of its own: each adapted layer's base layer in
+    its place, every tensor shared (nothing copied). It is peft's disable_adapter() as an object:
+    the frozen teacher, the KL reference and trust-region's initial model under LoRA."""
+    layers = lora_layers(model)
+    ids = {id(m) for m in layers.values()}
+    return _tree_view(model, lambda m: m.get_base_layer() if id(m) in ids else None)
+
+
+def adapter_copy(model):
+    """A LoRA model with its own frozen copy of the adapter weights and the base shared: the EMA
+    teacher under LoRA (its update moves only the adapter copy; ema_update skips shared tensors)."""
+    ids = {id(m) for m in lora_layers(model).values()}
+
+    def own_adapter(m):
+        if id(m) not in ids:
+            return None
+        clone = copy.copy(m)  # m's own dicts, every submodule shared ...
+        clone._parameters, clone._buffers, clone._modules = dict(m._parameters), dict(m._buffers), dict(m._modules)
+        for name in m.adapter_layer_names:  # ... but lora_A, lora_B (and peft's other adapter parts) copied
+            clone._modules[name] = copy.deepcopy(m._modules[name]).requires_grad_(False)
+        return clone
+    return _tree_view(model, own_adapter)
+
+
+@torch.no_grad()
+def merged_state_dict(model):
+    """A LoRA model's weights with each adapter folded in (W + scale · B @ A), under the plain model's
+    names: what ckpt/ exports, servable without peft. A plain model: its state dict."""
+    layers = lora_layers(model)
+    if not layers:
+        return model.state_dict()
+    state = {k.replace(".base_layer.", "."): v for k, v in model.state_dict().items() if ".lora_" not in k}
+    for name, layer in layers.items():
+        base = layer.get_base_layer().weight
+        state[f"{name}.weight"] = base.float() + layer.get_delta_weight(layer.active_adapters[0]).float()
+    return state
+
+
+@torch.no_grad()
+def base_fingerprint(model):
+    """Two numbers that change when a LoRA model's frozen base does: the sum and the sum of squares of
+    its weights rounded to bf16 (so fp32 and bf16 copies of one base agree), in float64."""
+    base = [p.detach().to(torch.bfloat16).double() for n, p in model.named_parameters() if ".lora_" not in n]
+    return [torch.stack([t.sum() for t in base]).sum().item(), torch.stack([t.square().sum() for t in base]).sum().item()]
+
+
+def adapter_tensors(model):
+    """{name: parameter} of a LoRA model's adapter, named as peft's adapter_model.safetensors names it
+    (PeftModel.from_pretrained loads the folder checkpoint.py writes)."""
+    return {"base_model.model." + n.replace(".default.", "."): p for n, p in model.named_parameters() if ".lora_" in n}

@@ -177,7 +177,7 @@ class Dist:
         the last backward is the whole of DDP that this loop needs."""
         if self.world == 1 or is_sharded(model):
             return
-        params = list(model.parameters())
+        params = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters only
         for p in params:
             if p.grad is None:  # this rank had no signal for it: contribute zeros
                 p.grad = torch.zeros_like(p)

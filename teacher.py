@@ -10,7 +10,7 @@ from typing import NamedTuple
 
 import torch
 
-from models import frozen_copy, lm_head, load_model, shared_prompt_hidden
+from models import adapter_copy, frozen_copy, lm_head, load_model, lora_layers, shared_prompt_hidden
 from runtime import local
 
 
@@ -35,6 +35,12 @@ class Teacher:
     τ = μ = teacher_rate. teacher_stage_reset ('student' / 'initial') reloads the own copy at a stage
     boundary; live and trust_region have none to reload. trust_region is not scored at eval: sampling
     from a logit mixture needs two KV caches in one decode loop, which generate() does not have.
+
+    Under LoRA (lora_rank > 0) the teacher shares the student's frozen base, no second model in
+    memory: frozen is the base with the adapter off (models.base_view, which is also trust_region's
+    initial model and the KL reference), ema the base with its own adapter copy (models.adapter_copy),
+    and its update moves only that copy. That EMA averages the factors A and B each on its own, so
+    the teacher's B_T·A_T is not quite the average of the student's B·A.
     Adding a kind: a row here, its lines in the methods below, and its name in CHOICES["teacher"]."""
     kind: str
     rate: float
@@ -52,7 +58,9 @@ class Teacher:
         if cfg["algo"] != "sdpo":
             return None
         own = None
-        if cfg["teacher"] in ("frozen", "ema"):
+        if cfg["teacher"] in ("frozen", "ema") and lora_layers(model):  # (train.py made initial_model the base view)
+            own = initial_model if cfg["teacher"] == "frozen" else adapter_copy(model)
+        elif cfg["teacher"] in ("frozen", "ema"):
             own = frozen_copy(initial_model if initial_model is not None else model)
             if cfg["teacher_init"] and not resume:
                 # θ_T ← (1 − a)·θ_T + a·θ_init: the EMA update's formula, applied once
@@ -89,9 +97,18 @@ class Teacher:
             ema_update(self.own, student, self.rate)
 
     def start_stage(self, reset, student, initial_model):
-        """A stage boundary: teacher_stage_reset 'student' or 'initial' reloads the own copy."""
-        if self.own is not None and reset != "keep":
-            self.own.load_state_dict((student if reset == "student" else initial_model).state_dict())
+        """A stage boundary: teacher_stage_reset 'student' or 'initial' reloads the own copy. Under LoRA a
+        frozen teacher is the initial model already, and an EMA one goes back to it with B = 0 (its
+        adapter then adds nothing: the base view has no adapter to copy)."""
+        if self.own is None or reset == "keep" or self.own is initial_model:
+            return
+        if reset == "initial" and lora_layers(self.own):
+            with torch.no_grad():
+                for name, p in self.own.named_parameters():
+                    if ".lora_B." in name:
+                        p.zero_()
+            return
+        self.own.load_state_dict((student if reset == "student" else initial_model).state_dict())
 
     def eval_model(self, student):
         """The model scored at eval reading the reference solution (None: this kind is not scored)."""
@@ -100,7 +117,9 @@ class Teacher:
 
 @torch.no_grad()
 def ema_update(teacher_model, student_model, rate):
-    """θ_T ← (1 − rate)·θ_T + rate·θ, once per optimizer step. Sharded alike (parallel=fsdp), each rank
-    updates its own shards: the same elementwise update, no communication."""
-    torch._foreach_lerp_([local(p) for p in teacher_model.parameters()],
-                         [local(p.detach()) for p in student_model.parameters()], rate)
+    """θ_T ← (1 − rate)·θ_T + rate·θ, once per optimizer step; tensors the two share (a LoRA teacher's
+    base) are left alone. Sharded alike (parallel=fsdp), each rank updates its own shards: the same
+    elementwise update, no communication."""
+    pairs = [(t, s) for t, s in zip(teacher_model.parameters(), student_model.parameters()) if t is not s]
+    if pairs:
+        torch._foreach_lerp_([local(t) for t, _ in pairs], [local(s.detach()) for _, s in pairs], rate)

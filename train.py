@@ -86,9 +86,9 @@ from configurator import UserError, check_seed, check_template, check_values, pa
 from metrics import Collapse, accuracy_summary
 from data import checkers, tasks as task_files
 from decoding import StepMemory, forward_with_cache, new_cache, static_decoding, use_static_rollout
-from models import (context_length, disable_dropout, enable_grad_checkpointing, eval_mode, fit_prompt, fit_tasks,
-                    frozen_copy, has_chat_template, lm_head, load_model, pad_batch, prompt_budget, prompt_ids,
-                    response_hidden, stop_token_ids, takes_position_ids)
+from models import (base_view, check_lora_settings, context_length, disable_dropout, enable_grad_checkpointing, eval_mode,
+                    fit_prompt, fit_tasks, frozen_copy, has_chat_template, lm_head, load_model, load_student, pad_batch,
+                    prompt_budget, prompt_ids, response_hidden, stop_token_ids, takes_position_ids)
 from runtime import Dist, amp_dtype, fp32_out_mm, full_state_dict, gathered, make_autocast
 from teacher import Teacher
 
@@ -139,6 +139,9 @@ top_p = 1.0  # rollout nucleus sampling
 static_rollout = "auto"  # decode on a static KV cache through a torch.compile'd step: 'auto' (on for CUDA: CUDA graphs), 'on', 'off'
 gen_batch_size = 0  # rows (prompts x samples) decoded at once in rollouts and evals (0 = all; lower it when the KV cache OOMs)
 grad_checkpointing = False  # recompute each block's activations in the backward: less memory, a slower student step
+lora_rank = 0  # LoRA (pip install peft): train rank-r adapters only, the base frozen (and bf16 on CUDA); 0 = every weight
+lora_alpha = 32.0  # LoRA: the adapters' update B·A is scaled by lora_alpha / lora_rank
+lora_targets = "all-linear"  # LoRA: linear layers to adapt, comma-separated (q_proj,v_proj), or every one ('all-linear'); never the LM head
 # optimizer
 learning_rate = 1e-5  # AdamW lr after warmup
 warmup_iters = 10  # linear warmup steps
@@ -210,10 +213,10 @@ RANGES = {  # key: (low, high, low inclusive)
 }
 POSITIVE = ("max_iters", "batch_prompts", "group_size", "micro_batch_size", "max_new_tokens", "topk",
             "n_layer", "n_head", "n_embd", "block_size", "eval_n", "max_reprompt_len", "temperature",
-            "eval_temperature", "collapse_patience")
+            "eval_temperature", "collapse_patience", "lora_alpha")
 NON_NEGATIVE = ("gen_batch_size", "warmup_iters", "eval_interval", "eval_max_prompts", "save_interval", "weight_decay",
                 "grad_clip", "clip_low", "clip_high", "kl_coef", "is_clip", "loss_chunk",
-                "max_prompt_len")
+                "max_prompt_len", "lora_rank")
 
 
 def check_config(cfg):
@@ -239,6 +242,7 @@ def check_config(cfg):
                         "in forwards that ranks run unevenly: use teacher=ema or frozen, or parallel=ddp")
     parse_stages(cfg["stages"], cfg["dataset"], cfg["max_iters"])
     check_seed(cfg["seed"])
+    check_lora_settings(cfg)  # only when lora_rank > 0: peft, and the settings LoRA refuses
     for key, names in {"reprompt_template": "prompt solution feedback", "solution_template": "solution",
                         "feedback_template": "feedback"}.items():  # each tried now, not at the first teacher prompt
         check_template(key, cfg[key], names.split())
@@ -939,7 +943,7 @@ def setup(cfg, ddp, stack):
     random.seed(cfg["seed"])
     torch.manual_seed(cfg["seed"])
     if not resume:
-        model, tokenizer = load_model(cfg["init_from"], dev, scratch=cfg)
+        model, tokenizer = load_student(cfg["init_from"], dev, cfg)
         eval_demos = fit_prompts(train_tasks, eval_tasks, model, tokenizer, cfg, log)
     if ddp.master:  # from here on, this run owns out_dir (a fresh run's inputs are all checked by now)
         for note in stack.enter_context(checkpoint.take_over(out_dir, resume, cfg["overwrite"])):
@@ -952,7 +956,7 @@ def setup(cfg, ddp, stack):
                                 saved["config"]["max_iters"]), stages, saved)  # may reopen the last stage in `saved`
         eval_names = checkpoint.kept_eval_sets(saved["accuracy_matrix"], eval_names, log.say)
         eval_tasks = {n: eval_tasks[n] for n in eval_names}
-        model, tokenizer = load_model(ckpt_dir, dev, scratch=cfg)
+        model, tokenizer = load_student(saved["base_init"] if cfg["lora_rank"] else ckpt_dir, dev, cfg)  # LoRA: + adapter/
         eval_demos = fit_prompts(train_tasks, eval_tasks, model, tokenizer, cfg, log)
     # the guard's memory starts at the first eval (train_loop); a resumed run's comes with the rest
     state = checkpoint.TrainState(generator=make_generator(cfg["seed"] + ddp.rank, dev), data_rng=random.Random(cfg["seed"]),
@@ -967,13 +971,14 @@ def setup(cfg, ddp, stack):
     needs_initial = (cfg["algo"] != "sft" and cfg["kl_coef"] > 0) or (cfg["algo"] == "sdpo" and (
         Teacher.needs_initial(cfg["teacher"]) or cfg["teacher_stage_reset"] == "initial"))
     initial_model = None
-    if needs_initial:
-        initial_model = (load_model(state.base_init, dev, scratch=cfg)[0].eval().requires_grad_(False) if resume
+    if needs_initial:  # under LoRA the base view: the student with its adapter left out, nothing copied
+        initial_model = (base_view(model) if cfg["lora_rank"] else
+                         load_model(state.base_init, dev, scratch=cfg)[0].eval().requires_grad_(False) if resume
                          else frozen_copy(model))  # a fresh load needs no second copy
     teacher = Teacher.create(cfg, model, initial_model, dev, resume)
     ddp.shard(model, initial_model, teacher and teacher.own, param_dtype=amp_dtype(dev, cfg["dtype"]))  # parallel=fsdp
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg["learning_rate"], betas=(cfg["beta1"], cfg["beta2"]),
-                                  weight_decay=cfg["weight_decay"])
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg["learning_rate"],  # LoRA: adapters
+                                  betas=(cfg["beta1"], cfg["beta2"]), weight_decay=cfg["weight_decay"])
     if resume:
         rng = checkpoint.load_trainer(ckpt_dir, saved, model, optimizer, teacher and teacher.own)
         state.restore(saved, rng[f"sampling.{ddp.rank}"])

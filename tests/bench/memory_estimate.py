@@ -33,6 +33,11 @@ of three phases that never overlap:
               an fp32 LM-head gradient accumulator) and, with several ranks, one gradient
               all-reduce bucket (at most 2**24 fp32 elements);
   optimizer   foreach AdamW's sqrt(v) temporary: one more fp32 value per parameter.
+LoRA (lora_rank > 0, lora_rows): the frozen base in bf16 (dtype auto / bfloat16; fp32 with
+dtype=float32) and the fp32 adapters, whose parameters alone have grads, AdamW moments, the EMA
+teacher's copy and the optimizer temporary; no frozen-teacher or reference copy (the base view
+shares the base); no autocast weight copies and no LM-head bf16 copy for a bf16 base; no LM-head
+gradient accumulator (the head is never adapted).
 A block's activations are an approximation (autocast bf16 matmul inputs/outputs, the fp32
 residual stream and norms). Not counted: CUDA context, allocator fragmentation (budget ~10 %:
 "needs" = peak / 0.9), the sampling logits, prefill transients. The last line printed is one
@@ -49,6 +54,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)  # as a script: the repo root on sys.path, for train.py and tests.*
 import decoding  # noqa: E402
+import models  # noqa: E402
 import train  # noqa: E402
 from configurator import configure  # noqa: E402
 
@@ -81,6 +87,54 @@ def arch_of(init_from):
     """'Qwen/Qwen3-1.7B' -> 'qwen3-1.7b' (None when init_from names no ARCH entry)."""
     name = init_from.rstrip("/").rsplit("/", 1)[-1].lower()
     return name if name in ARCH else None
+
+
+@functools.lru_cache(maxsize=None)
+def lora_param_count(name, rank, targets):
+    """The adapter parameters LoRA adds: rank · (in + out) per adapted linear layer, on the meta model
+    (targets as train.py's lora_targets: 'all-linear' is every linear layer but the LM head)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+    with torch.device("meta"):
+        model = Qwen3ForCausalLM(Qwen3Config(vocab_size=VOCAB, **ARCH[name]))
+    names = models.lora_target_names(targets)
+    head = model.get_output_embeddings()
+    return sum(rank * (m.in_features + m.out_features) for n, m in model.named_modules()
+               if isinstance(m, torch.nn.Linear) and m is not head
+               and (names == models.LORA_ALL or any(n == t or n.endswith("." + t) for t in names)))
+
+
+def lora_rows(rows, cfg, model, n, world_size):
+    """The rows of a LoRA run (module docstring): the training state is the adapters', the base frozen."""
+    n_ad = lora_param_count(model, cfg["lora_rank"], cfg["lora_targets"])
+    base = 2 if cfg["dtype"] in ("auto", "bfloat16") else 4  # the autocast dtype on CUDA
+    kind = "bf16" if base == 2 else "fp32"
+    ema = cfg["algo"] == "sdpo" and cfg["teacher"] == "ema"
+    H = ARCH[model]["hidden_size"]
+    none = ": none (already bf16)" if base == 2 else ""
+    new = {
+        "weights": (f"weights: frozen base ({kind}) + LoRA adapters (fp32, rank {cfg['lora_rank']}, {n_ad / 1e6:.1f}M "
+                    f"params on {cfg['lora_targets']})", base * n + 4 * n_ad),
+        "grads": ("grads (fp32): the adapters only", 4 * n_ad),
+        "adamw": ("AdamW moments (fp32): the adapters only", 8 * n_ad),
+        "copies": ("teacher copy: the EMA teacher's adapter (fp32); the base is shared" if ema else
+                   "teacher / reference copies: none (the frozen teacher and the reference are the base view)",
+                   4 * n_ad if ema else 0),
+        "autocast_gen": (f"autocast's bf16 copies of the {kind} base{none}", 0 if base == 2 else 2 * n),
+        "autocast_step": (f"autocast's bf16 copies of the {kind} base, saved for the backward{none}",
+                          0 if base == 2 else 2 * n),
+        "adamw_step": ("optimizer step: foreach AdamW's sqrt(v) temporary (fp32), the adapters", 4 * n_ad),
+    }
+    out = []
+    for key, label, b, phase in rows:
+        if key in new:
+            label, b = new[key]
+        elif key == "fused_loss":  # the head is frozen (no fp32 grad accumulator); a bf16 base needs no bf16 copy
+            label = label.split(" + LM head")[0] + ("" if base == 2 else " + LM head bf16 copy") + " (LoRA: head frozen)"
+            b -= VOCAB * H * (4 + (2 if base == 2 else 0))
+        elif key == "ddp_bucket" and world_size > 1:
+            label, b = f"gradient all-reduce bucket (fp32): the adapters, {min(BUCKET, n_ad)} elements", 4 * min(BUCKET, n_ad)
+        out.append((key, label, b, phase))
+    return out, n_ad
 
 
 def block_activation_bytes(a):
@@ -167,6 +221,9 @@ def estimate(cfg, model, world_size=1, prompt_tokens=512, teacher_prompt_tokens=
     if cfg["parallel"] == "fsdp":
         rows = fsdp_rows(rows, a, n, world_size, sharded_copies=copies, gathered_copies=(
             int(sdpo and teacher in ("frozen", "ema")) + int(algo != "sft" and cfg["kl_coef"] > 0)))
+    n_adapter = 0
+    if cfg["lora_rank"]:
+        rows, n_adapter = lora_rows(rows, cfg, model, n, world_size)
     # the rollout's static cache stays through the train step only where both fit (decoding.StepMemory)
     phases = {p: sum(b for _, _, b, q in rows if q == p) for p in ("state", "generation", "train step", "optimizer")}
     rollout_cache = train_rows * cache_len * kv_per_token
@@ -178,7 +235,7 @@ def estimate(cfg, model, world_size=1, prompt_tokens=512, teacher_prompt_tokens=
     phases["train step"] += rollout_cache if kept else 0
     peak = phases["state"] + max(phases["generation"], phases["train step"], phases["optimizer"])
     peak = max(peak, sum(b for _, _, b, q in rows if q == "load"))  # fsdp: the whole models, before sharding
-    summary = dict(params=n, kv_per_token=kv_per_token, gen_rows=gen_rows, micro_rows=micro, static_cache_kept=kept,
+    summary = dict(params=n, lora_params=n_adapter, kv_per_token=kv_per_token, gen_rows=gen_rows, micro_rows=micro, static_cache_kept=kept,
                    teacher_prompt_tokens=teacher_prompt_tokens, phases=phases, peak=peak,
                    peak_phase=max(("generation", "train step", "optimizer"), key=phases.get))
     return rows, summary
@@ -226,7 +283,7 @@ def load_config(config, overrides):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False,  # --teacher is a train.py key
                                  epilog="Any of train.py's --key=value settings is accepted too (python train.py --help).")
     ap.add_argument("--config", default="config/sdpo_math.py", help="a config file ('' = train.py's defaults)")
     ap.add_argument("--model", choices=sorted(ARCH), default=None, help="default: the ARCH entry init_from names")
@@ -268,7 +325,7 @@ def main(argv=None):
     print(f"  {'needs a GPU of at least (peak / 0.9: CUDA context, fragmentation)':<{width - 2}}{peak / SLACK / GB:>7.1f} GB")
     print(json.dumps({
         "estimate": "arithmetic, not a measurement", "config": args.config, "overrides": overrides, "model": model,
-        "init_from": cfg["init_from"], "params": s["params"], "world_size": args.world_size,
+        "init_from": cfg["init_from"], "params": s["params"], "lora_params": s["lora_params"], "world_size": args.world_size,
         "rows_gb": {k: round(b / GB, 2) for k, _, b, _ in rows},
         "state_gb": round(state / GB, 1), "phases_gb": {k: round(v / GB, 1) for k, v in s["phases"].items() if k != "state"},
         "peak_gb": round(peak / GB, 1), "peak_phase": s["peak_phase"], "needs_gb": round(peak / SLACK / GB, 1),
@@ -278,7 +335,7 @@ def main(argv=None):
         "settings": {"prompt_tokens": args.prompt_tokens, "teacher_prompt_tokens": s["teacher_prompt_tokens"],
                      **{k: cfg[k] for k in ("parallel", "algo", "teacher", "kl_coef", "batch_prompts", "group_size", "eval_n",
                                             "gen_batch_size", "micro_batch_size", "grad_checkpointing", "max_new_tokens",
-                                            "max_reprompt_len", "fused_loss", "loss_chunk")}},
+                                            "max_reprompt_len", "fused_loss", "loss_chunk", "lora_rank", "lora_targets")}},
     }))
 
 
