@@ -13,7 +13,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from conftest import ROOT, TINY, defaults, hand_made_batch, one_line_error, read_log, run_train
+from conftest import ROOT, TINY, assert_resume_continues_exactly, defaults, hand_made_batch, one_line_error, read_log, run_train
 
 import checkpoint
 import decoding
@@ -152,20 +152,9 @@ def test_a_lora_resume_continues_exactly(toy_data, base_dir, tmp_path):
     from init_from, the adapter, its optimizer state and the teacher's adapter from the checkpoint)."""
     common = ["config/sdpo_toy.py", *TINY, "--dataset=toy/add", f"--init_from={base_dir}", "--lora_rank=4",
               "--success_threshold=0.0", "--teacher=ema", "--density=0.5", "--learning_rate=1e-2", "--device=cpu"]
-    one_thread = {"OMP_NUM_THREADS": "1"}
-    run_train(*common, f"--out_dir={tmp_path / 'full'}", "--max_iters=6", env=one_thread)
-    run_train(*common, f"--out_dir={tmp_path / 'split'}", "--max_iters=6", "--save_interval=3", "--stages=toy/add:3",
-              env=one_thread)
+    assert_resume_continues_exactly(common, tmp_path)
     with open(tmp_path / "split" / "ckpt" / "trainer" / "state.json") as f:
         assert json.load(f)["base_init"] == base_dir
-    run_train(*common, f"--out_dir={tmp_path / 'split'}", "--max_iters=6", "--init_from=resume",
-              "--stages=toy/add:3,toy/add:3", env=one_thread)
-    full = [r for r in read_log(tmp_path / "full") if "loss" in r]
-    split = [r for r in read_log(tmp_path / "split") if "loss" in r]
-    assert [r["iter"] for r in split] == [1, 2, 3, 4, 5, 6]
-    for a, b in zip(full, split):
-        for key in ("loss", "reward", "resp_len", "div", "distill_frac", "grad_norm"):
-            assert a[key] == pytest.approx(b[key], rel=1e-6, abs=1e-9), (a["iter"], key, a[key], b[key])
     for name in ("adapter/adapter_model.safetensors", "model.safetensors", "trainer/teacher.safetensors"):
         a, b = (load_file(str(tmp_path / run / "ckpt" / name)) for run in ("full", "split"))
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name

@@ -17,7 +17,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from conftest import ROOT, RUN, TINY, cli_cfg, copy_of, defaults, listing, one_line_error, read_log, run_train, tiny_cfg
+from conftest import (ROOT, RUN, TINY, assert_resume_continues_exactly, cli_cfg, copy_of, defaults, listing, one_line_error,
+                      read_log, run_train, tiny_cfg)
 
 import checkpoint
 import eval as ev
@@ -306,24 +307,11 @@ def test_checkpoint_files_get_the_umasks_mode_like_every_other_file(tmp_path, to
 
 
 def test_resume_continues_exactly(toy_data, tmp_path):
-    """3 iterations, checkpoint, 3 more == 6 uninterrupted (SDPO+EMA: model, optimizer, teacher, RNG).
-
-    One CPU thread: multi-threaded reductions may sum in another order from run to run, and at
-    the first steps the teacher-student divergence of a random model is at float-noise level."""
+    """3 iterations, checkpoint, 3 more == 6 uninterrupted (SDPO+EMA: model, optimizer, teacher, RNG;
+    one thread, conftest.assert_resume_continues_exactly)."""
     common = ["config/sdpo_toy.py", *TINY, "--dataset=toy/add", "--init_from=scratch", "--success_threshold=0.0", "--teacher=ema",
               "--density=0.5", "--learning_rate=1e-2", "--device=cpu"]
-    one_thread = {"OMP_NUM_THREADS": "1"}
-    run_train(*common, f"--out_dir={tmp_path / 'full'}", "--max_iters=6", env=one_thread)
-    run_train(*common, f"--out_dir={tmp_path / 'split'}", "--max_iters=6", "--save_interval=3",
-              "--stages=toy/add:3", env=one_thread)  # stop after 3 (a one-stage run of 3 iterations) ...
-    run_train(*common, f"--out_dir={tmp_path / 'split'}", "--max_iters=6", "--init_from=resume",
-              "--stages=toy/add:3,toy/add:3", env=one_thread)  # ... then continue into a second stage of 3
-    full = [r for r in read_log(tmp_path / "full") if "loss" in r]
-    split = [r for r in read_log(tmp_path / "split") if "loss" in r]
-    assert [r["iter"] for r in split] == [1, 2, 3, 4, 5, 6]
-    for a, b in zip(full, split):
-        for key in ("loss", "reward", "resp_len", "div", "distill_frac", "grad_norm"):
-            assert a[key] == pytest.approx(b[key], rel=1e-6, abs=1e-9), (a["iter"], key, a[key], b[key])
+    assert_resume_continues_exactly(common, tmp_path)
 
 
 def test_resume_can_extend_a_finished_run_and_redoes_nothing(finished_run, tmp_path, toy_data):
