@@ -545,12 +545,13 @@ def test_the_feedback_arm_shows_the_sandboxs_feedback_to_a_teacher_without_a_suc
     no row has a teacher. Then a group with one success: the failed rows get the demonstration only."""
     import torch
     import models
+    from tests.experiments import miniature
     tiny = dict(init_from="scratch", n_layer=1, n_head=2, n_embd=32, tokenizer_path=os.path.join(toy_data, "toy", "tokenizer"),
                 data_dir=toy_data, group_size=4, max_new_tokens=16, seed=0)
     prompts = toy_func["test"][:3]
     for name in ("sdpo_func_feedback", "sdpo_func"):
         cfg = miniature_arm_config(name, **tiny)
-        assert cfg["algo"] == "sdpo" and cfg["stages"] == "toy/func:10" and cfg["use_feedback"] == (name != "sdpo_func")
+        assert cfg["algo"] == "sdpo" and cfg["stages"] == f"toy/func:{miniature.FUNC_ITERS}" and cfg["use_feedback"] == (name != "sdpo_func")
         model, tok = models.load_model("scratch", torch.device("cpu"), scratch=cfg)
         batch, metrics = train.build_batch(prompts, model, tok, cfg, train.make_generator(0, torch.device("cpu")),
                                            torch.device("cpu"))
