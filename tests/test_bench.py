@@ -226,3 +226,23 @@ def test_teacher_signal_runs_on_a_scratch_model(toy_data):
                for r in rows.values())
     assert rows["plain"]["frac_correct_up"] is None and 0 <= rows["demo+"]["frac_correct_up"] <= 1
     assert rows["demo+"]["prompt_len"] > rows["plain"]["prompt_len"]  # the demonstration is in the teacher's prompt
+
+
+def test_teacher_signal_reads_func_through_its_expression_and_adds_the_feedback_teacher(toy_data):
+    """func's answer is its hidden tests, not text in the response: the answer scored is the
+    expression in the tags, a wrong demonstration is one digit of it changed (still an expression, one
+    the sandbox rejects with the feedback the toy copies have), and func gets a feedback-only row."""
+    import random
+    import train
+    from tests.experiments import teacher_signal
+    tasks = train.load_tasks("toy/func", "test", os.path.join(ROOT, "data"))[:20]
+    for t, (wrong, wrong_sol) in zip(tasks, teacher_signal.wrong_demonstrations(tasks, random.Random(0))):
+        assert teacher_signal.shown_answer(t, t["solution"]) in t["solution"] and wrong_sol == f"<answer>{wrong}</answer>"
+        score, feedback = train.reward("code", wrong_sol, t["answer"])
+        assert score == 0.0 and feedback == teacher_signal.toy_prepare().func_feedback(wrong_sol, t["answer"])
+        assert train.reward("exact", wrong_sol, wrong)[0] == 1.0  # how a copy of the wrong demonstration is counted
+    out = run_script("tests/experiments/teacher_signal.py", "--init_from=scratch", "--domains=func", "--n_prompts=2",
+                     "--n=1", "--max_new_tokens=4")
+    rows = out["domains"]["func"]
+    assert set(rows) == {"plain", "demo+", "demo-", "feedback-"} and set(out["overall"]) == {"plain", "demo+", "demo-"}
+    assert rows["feedback-"]["prompt_len"] > rows["plain"]["prompt_len"] and rows["feedback-"]["logp_answer"] < 0

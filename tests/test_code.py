@@ -506,6 +506,29 @@ def test_toy_func_feedback_names_the_first_wrong_point_as_the_teacher_copies_do(
     assert train.reward("code", f"<answer>{lookup}</answer>", t["answer"])[0] == 0.0
 
 
+def test_every_toy_func_answer_ends_its_turn_within_max_new_tokens_and_is_read_off_its_prompt(toy_func, toy_data):
+    """No func prompt is unanswerable: its reference response and the end-of-turn token fit the
+    max_new_tokens of every config that trains or samples func (the base and the three feedback arms),
+    so a correct answer is never cut off. And its parts are skills the base has: b is the shown f(0),
+    a is f(1) - f(0) (x*x when that is 1), the test functions are a small share of the distinct ones."""
+    from transformers import AutoTokenizer
+    from configurator import configure
+    from tests.experiments import miniature
+    tok = AutoTokenizer.from_pretrained(os.path.join(toy_data, "toy", "tokenizer"))
+    budgets = {configure(dict(vars(train)), [os.path.join(REPO, "config", "toy_base_code.py")], train.__file__)["max_new_tokens"]}
+    budgets |= {miniature_arm_config(name)["max_new_tokens"] for name in miniature.EXPERIMENTS["feedback"]}
+    rows = toy_func["train"] + toy_func["test"]
+    longest = max(len(tok.encode(t["solution"], add_special_tokens=False)) + 1 for t in rows)  # + the end of turn
+    assert longest <= min(budgets), (longest, budgets)
+    for t in rows[::7]:
+        shown = {int(k[2:-1]): int(v) for k, v in (p.split("=") for p in t["messages"][-1]["content"].split())}
+        b, a = shown[0], shown[1] - shown[0]
+        expr = "x*x" if a == 1 else f"{a}*x"
+        assert t["solution"] == f"<answer>{expr}{'+' if b > 0 else '-'}{abs(b)}</answer>"
+    train_fns = {t["solution"] for t in toy_func["train"]}
+    assert len(train_fns) >= 7 * len(toy_func["test"]) and not train_fns & {t["solution"] for t in toy_func["test"]}
+
+
 def miniature_arm_config(name, **tiny):
     """train.py's settings for the miniature's arm `name` (its config file and overrides), then `tiny`."""
     from configurator import configure
@@ -522,12 +545,13 @@ def test_the_feedback_arm_shows_the_sandboxs_feedback_to_a_teacher_without_a_suc
     no row has a teacher. Then a group with one success: the failed rows get the demonstration only."""
     import torch
     import models
+    from tests.experiments import miniature
     tiny = dict(init_from="scratch", n_layer=1, n_head=2, n_embd=32, tokenizer_path=os.path.join(toy_data, "toy", "tokenizer"),
                 data_dir=toy_data, group_size=4, max_new_tokens=16, seed=0)
     prompts = toy_func["test"][:3]
     for name in ("sdpo_func_feedback", "sdpo_func"):
         cfg = miniature_arm_config(name, **tiny)
-        assert cfg["algo"] == "sdpo" and cfg["stages"] == "toy/func:10" and cfg["use_feedback"] == (name != "sdpo_func")
+        assert cfg["algo"] == "sdpo" and cfg["stages"] == f"toy/func:{miniature.FUNC_ITERS}" and cfg["use_feedback"] == (name != "sdpo_func")
         model, tok = models.load_model("scratch", torch.device("cpu"), scratch=cfg)
         batch, metrics = train.build_batch(prompts, model, tok, cfg, train.make_generator(0, torch.device("cpu")),
                                            torch.device("cpu"))

@@ -16,8 +16,8 @@ Two answer formats make format leakage measurable: a `\\boxed{}` in a string tas
 
 A toy code domain, kept apart from the five (CODE_DOMAINS: the existing base's data is unchanged):
     func  find f from examples           <answer>2*x+1</answer>  -- code: run in data/sandbox.py
-"f(1)=3 f(2)=5 f(3)=7" asks for a Python expression in x; the code reward runs it on hidden points
-(0, 4, 5, 10) and its feedback reads "f(4) gave 8, expected 9". Its teacher-context copies go to
+"f(0)=1 f(1)=3 f(2)=5 f(3)=7" asks for a Python expression in x; the code reward runs it on hidden points
+(4, 5, 7, 10) and its feedback reads "f(4) gave 8, expected 9". Its teacher-context copies go to
 data/toy/context_code/train.jsonl; a base that includes the domain trains on toy/func and them.
 
 Training lines carry `solution` (the reference response, used by SFT). Copies of some of them
@@ -50,9 +50,19 @@ N_TEST = 100
 CONTEXT_FRACTION = {"add": 0.15, "sub": 0.15, "mul": 0.15, "sort": 0.6, "rev": 0.6}
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
 CODE_DOMAINS = ["func"]
-N_TRAIN["func"], CONTEXT_FRACTION["func"] = 4000, 0.3
-FUNC_FORMS = ("{a}*x+{b}", "{a}*x-{b}", "x*x+{b}", "x*x-{b}", "{a}*x*x+{b}")
-FUNC_SHOWN, FUNC_HIDDEN = (1, 2, 3), (4, 5, 0, 10)
+# func is weighted like the big arithmetic sets (config/toy_base_code.py mixes it in from the first
+# stage): at 4,000 lines it was the slowest toy skill and needed a func-only stage that erased the rest.
+N_TRAIN["func"], CONTEXT_FRACTION["func"] = 10000, 0.3
+# f(0) is shown, so each part of the answer is a skill the base has: b is f(0) copied (its sign says
+# + or -), a is f(1)-f(0) (its last digit is that of f(1) minus that of f(0)), and f(1)-f(0) = 1 means
+# x*x. No a*x*x+b form: `<answer>9*x*x+9</answer>` plus the end of turn is 25 tokens, over the budget.
+# 2*8*50 + 2*50 = 900 distinct functions, so the 100 test ones are a small, unseen share.
+FUNC_FORMS = ("{a}*x+{b}", "{a}*x-{b}", "x*x+{b}", "x*x-{b}")
+FUNC_A, FUNC_B = range(2, 10), range(1, 51)
+FUNC_SHOWN, FUNC_HIDDEN = (0, 1, 2, 3), (4, 5, 7, 10)
+# every toy config's max_new_tokens: a func solution and its end-of-turn token always fit (one token a
+# character), so no func prompt is unanswerable (tests/test_code.py checks the configs agree)
+MAX_NEW_TOKENS = 24
 
 
 def func_value(expr, x):
@@ -62,7 +72,8 @@ def func_value(expr, x):
 def make_task(domain, rng):
     """Return (question, answer, kind, solution)."""
     if domain == "func":
-        expr = rng.choice(FUNC_FORMS).format(a=rng.randint(2, 9), b=rng.randint(1, 20))
+        expr = rng.choice(FUNC_FORMS).format(a=rng.choice(FUNC_A), b=rng.choice(FUNC_B))
+        assert len(f"<answer>{expr}</answer>") + 1 <= MAX_NEW_TOKENS, expr
         question = " ".join(f"f({x})={func_value(expr, x)}" for x in FUNC_SHOWN)
         tests = [{"input": str(x), "output": str(func_value(expr, x)), "public": True} for x in FUNC_HIDDEN]
         answer = json.dumps({"expression": "x", "fn_name": "f", "tests": tests, "timeout": 2})

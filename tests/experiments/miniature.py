@@ -61,9 +61,11 @@ DIST = "--stages=toy/add:30,toy/{}:30"  # the distance experiment: add, then one
 # the feedback experiment: one stage on the toy code domain func from the base that learned it
 # (config/toy_base_code.py), scored on func alone; the sandbox's feedback ("f(4) gave 8, expected 9")
 # reaches the teacher only with --use_feedback=True, and then only for rows without a successful peer.
-# 10 iterations, not the other experiments' 30: on the shared 2-core machine an SDPO run on func took
-# ~8 min at 30 (other jobs running), too long for 24 runs in the time there was
-FUNC = ("--init_from=out/toy_base_code/ckpt", "--stages=toy/func:10", "--eval_sets=toy/func")
+# 10 iterations, not the other experiments' 30: on the shared 2-core machine an iteration on func took
+# ~20 s (half of it the sandbox scoring 128 programs, other jobs running), so 24 runs at 30 would not
+# have finished in the time there was (RESULTS.md)
+FUNC_ITERS = 10
+FUNC = ("--init_from=out/toy_base_code/ckpt", f"--stages=toy/func:{FUNC_ITERS}", "--eval_sets=toy/func")
 ARMS = {
     # main: GRPO vs SDPO at three supervision densities (EMA teacher, tau 0.05)
     "grpo": arm(G),

@@ -10,15 +10,24 @@ domain, with the toy base model, compare the model without and with a demonstrat
       changed): does the teacher still prefer the correct response, or copy the demonstration?
       "wrong" columns score the wrong demonstration's own response, and copy@n is the fraction
       of samples that answer with the wrong demonstration's answer.
+The toy code domain func (its answer is a JSON of hidden tests, not a string in the response) is
+handled through its expression: the answer is the expression inside <answer></answer>, the wrong
+demonstration is data/toy/prepare.py's wrong_attempt (one digit changed, as the toy copies have it),
+and a fourth row, feedback-, is the teacher prompt with only the sandbox's feedback on that wrong
+attempt ("f(4) gave 13, expected 9."): the teacher the feedback experiment's rows get when no peer succeeded.
 
     python tests/experiments/teacher_signal.py                             # out/toy_base/ckpt, 5 domains, N=100
     python tests/experiments/teacher_signal.py --domains=add,sort --n_prompts=50
     python tests/experiments/teacher_signal.py --init_from=scratch         # a random model: no signal expected
+    python tests/experiments/teacher_signal.py --init_from=out/toy_base_code/ckpt --domains=func   # the code base
 
 Rows: plain = the original prompt; demo+ = the teacher prompt with the correct solution;
-demo- = the teacher prompt with the wrong solution. The last line printed is one JSON object.
+demo- = the teacher prompt with the wrong solution; feedback- (code only) = the teacher prompt with the
+feedback on it. The means over domains are over plain / demo+ / demo-. The last line printed is one JSON object.
 """
 import argparse
+import functools
+import importlib.util
 import json
 import os
 import random
@@ -52,12 +61,44 @@ def wrong_answer(answer, rng):
     return answer[:i] + rng.choice(pool) + answer[i + 1:]
 
 
-def with_demo(task, solution):
-    """A copy of the task whose user turn is the SDPO teacher prompt with `solution` as the demonstration."""
+@functools.lru_cache(maxsize=1)
+def toy_prepare():
+    """data/toy/prepare.py as a module (its wrong_attempt makes func's wrong demonstrations)."""
+    spec = importlib.util.spec_from_file_location("toy_prepare", os.path.join(ROOT, "data", "toy", "prepare.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def with_demo(task, solution, feedback=None):
+    """A copy of the task whose user turn is the SDPO teacher prompt with `solution` as the demonstration
+    (None: none) and/or `feedback`."""
     messages = [dict(m) for m in task["messages"]]
-    messages[-1]["content"] = train.teacher_prompt_text(messages[-1]["content"], solution, None, train.reprompt_template,
+    messages[-1]["content"] = train.teacher_prompt_text(messages[-1]["content"], solution, feedback, train.reprompt_template,
                                                         train.solution_template, train.feedback_template)
     return dict(task, messages=messages)
+
+
+def shown_answer(task, solution):
+    """The answer as the response writes it: the task's answer, or for code (whose answer is its tests)
+    the expression inside the solution's last <answer></answer>."""
+    if task["kind"] != "code":
+        return task["answer"]
+    return solution.rsplit("<answer>", 1)[1].split("</answer>", 1)[0]
+
+
+def wrong_demonstrations(tasks, rng):
+    """(wrong answer as written, wrong solution) per task: one character of the answer changed; for code
+    one digit of the expression (data/toy/prepare.py's wrong_attempt, so it stays an expression)."""
+    out = []
+    for t in tasks:
+        if t["kind"] == "code":
+            wrong_sol = toy_prepare().wrong_attempt(t["solution"], t["answer"], rng)
+            out.append((shown_answer(t, wrong_sol), wrong_sol))
+        else:
+            w = wrong_answer(t["answer"], rng)
+            out.append((w, t["solution"].replace(t["answer"], w)))
+    return out
 
 
 def answer_span(tokenizer, solution, answer):
@@ -125,13 +166,16 @@ def main():
     for d in domains:
         tasks = all_tasks[d]
         rng = random.Random(f"{args.seed}-{d}")
-        wrong = [wrong_answer(t["answer"], rng) for t in tasks]
-        wrong_sol = [t["solution"].replace(t["answer"], w) for t, w in zip(tasks, wrong)]
+        wrong, wrong_sol = map(list, zip(*wrong_demonstrations(tasks, rng)))
         variants = {"plain": tasks, "demo+": [with_demo(t, t["solution"]) for t in tasks],
                     "demo-": [with_demo(t, s) for t, s in zip(tasks, wrong_sol)]}
+        code = all(t["kind"] == "code" for t in tasks)
+        if code:  # the rich-feedback teacher: the sandbox's words on the wrong attempt, no demonstration
+            feedback = [fb for _, fb in train.rewards_of(tasks, wrong_sol)]
+            variants["feedback-"] = [with_demo(t, None, fb) for t, fb in zip(tasks, feedback)]
         correct_resp = [tokenizer.encode(t["solution"], add_special_tokens=False) + [eos] for t in tasks]
         wrong_resp = [tokenizer.encode(s, add_special_tokens=False) + [eos] for s in wrong_sol]
-        spans = [answer_span(tokenizer, t["solution"], t["answer"]) for t in tasks]
+        spans = [answer_span(tokenizer, t["solution"], shown_answer(t, t["solution"])) for t in tasks]
         rows = {}
         for name, vt in variants.items():
             prompts = [train.prompt_ids(tokenizer, t["messages"]) for t in vt]
@@ -141,7 +185,8 @@ def main():
             gen = train.make_generator(args.seed, dev)  # the same sampling stream for every variant
             ev = train.sample_and_score(model, tokenizer, vt, n=args.n, temperature=args.temperature, top_p=args.top_p,
                                 max_new_tokens=args.max_new_tokens, batch_prompts=len(vt), generator=gen)
-            copies = [train.reward(t["kind"], text, w)[0] for t, w, texts in zip(tasks, wrong, ev["texts"]) for text in texts]
+            copies = [train.reward("exact" if code else t["kind"], text, w)[0]  # code: the wrong expression's text
+                      for t, w, texts in zip(tasks, wrong, ev["texts"]) for text in texts]
             rows[name] = {
                 "logp_sum": sum(float(x.sum()) for x in lp_c) / len(tasks),
                 "logp_tok": sum(float(x.sum()) for x in lp_c) / sum(len(x) for x in lp_c),
@@ -153,7 +198,7 @@ def main():
                 "_lp": [float(x.sum()) for x in lp_c],
             }
         plain_lp = rows["plain"].pop("_lp")
-        for name in ("demo+", "demo-"):
+        for name in [v for v in rows if v != "plain"]:
             lp = rows[name].pop("_lp")
             rows[name]["frac_correct_up"] = sum(b > a for a, b in zip(plain_lp, lp)) / len(lp)
         rows["plain"]["frac_correct_up"] = None
