@@ -13,6 +13,7 @@ import sys
 import threading
 import time
 
+import huggingface_hub.constants
 import pytest
 import torch
 from safetensors import safe_open
@@ -148,7 +149,8 @@ def test_a_bad_input_into_a_finished_run_changes_nothing(finished_run, tmp_path,
     The first case through the command line (one line, exit 1), the others in this process."""
     monkeypatch.setitem(sys.modules, "wandb", None)  # absent, whatever this machine has installed
     monkeypatch.setitem(sys.modules, "math_verify", None)
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # for the subprocess; this process read it at import:
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # no 45 s of hub retries
     out = copy_of(finished_run, tmp_path)
     before = listing(out)
     if bad == "--dataset=toy/nonexist":
