@@ -477,7 +477,7 @@ def check_lora_settings(cfg):
         raise UserError("teacher=frozen with LoRA is the base with the adapter off, which cannot become a copy of the "
                         "student: use teacher=ema --teacher_rate=0 (an adapter copy that stays put) for "
                         "teacher_stage_reset=student")
-    if cfg.get("parallel", "ddp") == "fsdp":  # the FSDP branch's knob: sharding a frozen base and its adapters is not done
+    if cfg["parallel"] == "fsdp":  # sharding a frozen base beside its adapters is not done
         raise UserError("lora_rank > 0 with parallel=fsdp is not supported: LoRA's state is small enough for data "
                         "parallelism (parallel=ddp), or train without LoRA")
 
