@@ -171,6 +171,7 @@ def test_a_lora_resume_continues_exactly(toy_data, base_dir, tmp_path):
     (dict(lora_alpha=0.0), "lora_alpha=0.0 must be positive"),
     (dict(teacher_init="/some/model", teacher="frozen"), "a LoRA teacher shares the student's frozen base"),
     (dict(teacher="frozen", teacher_stage_reset="student"), "use teacher=ema --teacher_rate=0"),
+    (dict(parallel="fsdp"), "lora_rank > 0 with parallel=fsdp is not supported"),
 ])
 def test_a_bad_lora_setting_is_one_line_and_writes_nothing(toy_data, base_dir, tmp_path, override, message):
     cfg = lora_cfg(toy_data, base_dir, tmp_path / "run", **override)
