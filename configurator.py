@@ -21,6 +21,7 @@ import importlib
 import inspect
 import math
 import re
+import sys
 import traceback
 
 PLAIN = (bool, int, float, str)
@@ -212,9 +213,12 @@ def configure(scope, argv, source_file):
     cfg = dict(keys)
     if "--help" in argv or "-h" in argv:
         width = max(map(len, keys))
-        print(f"usage: python {source_file.rsplit('/', 1)[-1]} [config/file.py ...] [--key=value ...]\n")
-        for k, v in keys.items():
-            print(f"  --{k:<{width}} = {v!r:<24} {helps[k]}")
+        lines = [f"usage: python {source_file.rsplit('/', 1)[-1]} [config/file.py ...] [--key=value ...]\n",
+                 *(f"  --{k:<{width}} = {v!r:<24} {helps[k]}" for k, v in keys.items())]
+        try:
+            print("\n".join(lines), flush=True)
+        except BrokenPipeError:  # `--help | head`: the reader has what it wanted
+            sys.stdout = None  # nothing left to flush at exit (which would raise again)
         raise SystemExit(0)
     for arg in argv:
         if not arg.startswith("--"):

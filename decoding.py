@@ -1,16 +1,20 @@
 """
 Decoding with a KV cache: the one forward a rollout step runs (forward_with_cache), KV caches that
 store keys and values in the autocast dtype, and on CUDA a static cache with a compiled, CUDA-graphed
-decode step (static_decoding), at most one alive, freed before a train step it does not fit beside
-(StepMemory). train.py's decode() drives it; models.py's teacher forward uses new_cache.
+decode step (static_decoding) that reads autocast-dtype copies of the matmul weights (decode_weights).
+The static cache and the weight copies are the decode state: at most one of each alive, kept between
+rollouts (same buffers, so CUDA graphs replay) and freed before a train step they do not fit beside
+(StepMemory). train.py's generate() / decode() drive it; models.py's teacher forward uses new_cache.
 """
+import contextlib
 import inspect
+import weakref
 from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache, Qwen2ForCausalLM, StaticCache
 
-from runtime import autocast_dtype
+from runtime import autocast_dtype, is_sharded
 
 # the forward takes its KV cache as `cache` in newer transformers (5.2x) and as `past_key_values` in
 # older ones (5.17 silently ignores cache=): the name is read off the installed version's signature
@@ -64,24 +68,77 @@ def new_cache(model, dev):
     return cache
 
 
-# the one static cache alive ({shape key: cache}, at most one entry: a new shape frees the previous
-# buffers first) and the compiled decode step per device kind
-_static_caches, _compiled_steps = {}, {}
+# the decode state: the one static cache alive ({shape key: cache}, at most one entry: a new shape frees
+# the previous buffers first), the one model's decode weights ({"model": weakref, "slots": [...]}, see
+# decode_weights), and the compiled decode step per device kind
+_static_caches, _decode_weights, _compiled_steps = {}, {}, {}
 
 
-def free_static_cache():
-    """Drop the static cache (its memory returns to the allocator): before a train step it does not
-    fit beside. The next rollout allocates a new one (on CUDA its graphs re-record, no recompile)."""
+def free_decode_state():
+    """Drop the static cache and the decode weights (their memory returns to the allocator): before a
+    train step they do not fit beside. The next static rollout allocates both anew (on CUDA its graphs
+    re-record, no recompile)."""
     _static_caches.clear()
+    _decode_weights.clear()
 
 
-def static_cache_bytes():
-    return sum(t.numel() * t.element_size() for c in _static_caches.values() for layer in c.layers
-               for t in (getattr(layer, "keys", None), getattr(layer, "values", None)) if t is not None)
+def decode_state_bytes():
+    """Bytes held by the static cache and the decode weights between rollouts."""
+    cache = sum(t.numel() * t.element_size() for c in _static_caches.values() for layer in c.layers
+                for t in (getattr(layer, "keys", None), getattr(layer, "values", None)) if t is not None)
+    copies = {id(c): c.numel() * c.element_size() for *_, c in _decode_weights.get("slots", [])}
+    return cache + sum(copies.values())
 
 
-def static_cache_fits(*, allocated, step_extra, total, fill=0.9):
-    """Whether the static cache (part of `allocated`, the bytes in use now) may stay alive through a
+def matmul_params(model):
+    """(module, name, parameter) for the fp32 weight and bias of each nn.Linear in the model (LoRA's
+    adapters included): the tensors autocast casts to its dtype at every matmul. Embeddings and norms
+    are not cast by autocast (they stay fp32 under it), so they are left alone."""
+    return [(m, name, p) for m in model.modules() if isinstance(m, torch.nn.Linear)
+            for name, p in m.named_parameters(recurse=False) if p.dtype == torch.float32]
+
+
+@contextlib.contextmanager
+def decode_weights(model, enabled=True):
+    """Within: each nn.Linear of `model` holds an autocast-dtype copy of its fp32 weight and bias as its
+    parameter; the fp32 parameters are put back on exit. No number changes (autocast casts those very
+    tensors to that dtype at every matmul, and the cast is deterministic), but a torch.compile'd decode
+    step traces autocast's casts into its graph and so re-reads every fp32 weight at every token (~4x a
+    bf16 model's weight traffic, where decoding is bound by it). The copies are refreshed in place on
+    entry (one cast per generate call, the same pointers: CUDA graphs replay) and kept between rollouts
+    like the static cache: the decode state, freed by StepMemory before a train step it does not fit
+    beside. A no-op outside autocast, when not enabled (the eager path: autocast caches its casts of
+    parameters itself through the rollout) and for an FSDP-sharded model (its gathered weights are in
+    the autocast dtype already)."""
+    dev = next(model.parameters()).device
+    dtype = autocast_dtype(dev)
+    if not enabled or dtype is None or is_sharded(model):
+        yield
+        return
+    live = _decode_weights.get("model")
+    slots = _decode_weights.get("slots", [])
+    if live is None or live() is not model or any(m._parameters.get(name) is not p for m, name, p, _ in slots) \
+            or len(slots) != len(matmul_params(model)) or any(c.dtype != dtype for *_, c in slots):
+        _decode_weights.clear()  # another model, or its parameters were replaced: new copies
+        copies = {}  # one copy per tensor: tied weights stay tied
+        slots = [(m, name, p, copies.setdefault(id(p), torch.nn.Parameter(p.detach().to(dtype), requires_grad=False)))
+                 for m, name, p in matmul_params(model)]
+        _decode_weights.update(model=weakref.ref(model), slots=slots)
+    else:
+        with torch.no_grad():
+            for copy, p in {id(c): (c, p) for _, _, p, c in slots}.values():
+                copy.copy_(p)  # the weights the last optimizer step wrote
+    for m, name, _, copy in slots:
+        m._parameters[name] = copy
+    try:
+        yield
+    finally:
+        for m, name, p, _ in slots:
+            m._parameters[name] = p
+
+
+def decode_state_fits(*, allocated, step_extra, total, fill=0.9):
+    """Whether the decode state (part of `allocated`, the bytes in use now) may stay alive through a
     train step that last time allocated step_extra bytes above its start: the sum must fit in `fill`
     of the GPU (allocator slack). Unknown step_extra (the first step): it does not."""
     return step_extra is not None and allocated + step_extra <= fill * total
@@ -89,17 +146,18 @@ def static_cache_fits(*, allocated, step_extra, total, fill=0.9):
 
 @dataclass
 class StepMemory:
-    """On CUDA, around each train step: free the static cache first unless it fits beside the step
-    (static_cache_fits, from the previous step's measured peak), then measure this step's peak."""
+    """On CUDA, around each train step: free the decode state first unless it fits beside the step
+    (decode_state_fits, from the previous step's measured peak), then measure this step's peak."""
     step_extra: int = None  # bytes the last train step allocated above what was in use at its start
     start: int = 0
 
     def before_step(self, dev):
         if dev.type != "cuda":
             return
-        if _static_caches and not static_cache_fits(allocated=torch.cuda.memory_allocated(dev), step_extra=self.step_extra,
-                                                    total=torch.cuda.get_device_properties(dev).total_memory):
-            free_static_cache()
+        if (_static_caches or _decode_weights) and not decode_state_fits(
+                allocated=torch.cuda.memory_allocated(dev), step_extra=self.step_extra,
+                total=torch.cuda.get_device_properties(dev).total_memory):
+            free_decode_state()
         torch.cuda.reset_peak_memory_stats(dev)
         self.start = torch.cuda.memory_allocated(dev)
 
@@ -125,7 +183,7 @@ def static_decoding(model, prefill_cache, mask, max_new_tokens):
     if old is not None and old[0][0] == key and old[0][1] >= width + max_new_tokens:
         (_, length), cache = old
     else:
-        free_static_cache()  # before allocating the new one: never two alive
+        _static_caches.clear()  # before allocating the new one: never two alive
         length = bucket(width + max_new_tokens)
         cache = StaticKVCache(config=model.config, max_cache_len=length)
         cache.kv_dtype = prefill_cache.kv_dtype

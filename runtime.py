@@ -223,8 +223,14 @@ class Dist:
             first = re.sub(r"^\[[^\]]*\]\s*", "", first).split(". ")[0]  # without gloo's [source:line], one sentence
             if self.world == 1 or not (isinstance(e, dist.DistError) or any(s in first for s in PEER_LOST)):
                 raise
-            raise UserError(f"rank {self.rank} of {self.world}: another rank stopped ({type(e).__name__}: "
-                            f"{first[:160]}): its own output says why; continue with --init_from=resume") from None
+            raise LostRank(f"rank {self.rank} of {self.world}: another rank stopped ({type(e).__name__}: "
+                           f"{first[:160]}): its own output says why; continue with --init_from=resume") from None
+
+
+class LostRank(UserError):
+    """A peer rank died: train.py prints the line and leaves with os._exit, since the process group's
+    threads still wait on the dead peer and would print a C++ 'terminate called' line after it (or hang)
+    while the interpreter shuts down. Nothing is lost: the with-blocks (the lock, the log) have closed."""
 
 
 PEER_LOST = ("closed by peer", "reset by peer", "Broken pipe", "Connection refused", "NCCL communicator")

@@ -85,11 +85,11 @@ import metrics
 from configurator import UserError, check_seed, check_template, check_values, parse_stages, require
 from metrics import Collapse, accuracy_summary
 from data import checkers, tasks as task_files
-from decoding import StepMemory, forward_with_cache, new_cache, static_decoding, use_static_rollout
+from decoding import StepMemory, decode_weights, forward_with_cache, new_cache, static_decoding, use_static_rollout
 from models import (base_view, check_lora_settings, context_length, disable_dropout, enable_grad_checkpointing, eval_mode,
                     fit_prompt, fit_tasks, frozen_copy, has_chat_template, lm_head, load_model, load_student, pad_batch,
                     prompt_budget, prompt_ids, response_hidden, stop_token_ids, takes_position_ids)
-from runtime import Dist, amp_dtype, fp32_out_mm, full_state_dict, gathered, make_autocast
+from runtime import Dist, LostRank, amp_dtype, fp32_out_mm, full_state_dict, gathered, make_autocast
 from teacher import Teacher
 
 # ----------------------------------------------------------------------------- defaults
@@ -341,7 +341,9 @@ def generate(model, prompts, *, group_size, max_rows=0, progress=False, **sampli
     `sampling`: decode()'s keywords (max_new_tokens, temperature, top_p, eos_ids, pad_id, generator, static)."""
     per_call = max(1, max_rows // group_size) if max_rows > 0 else len(prompts)
     starts = range(0, len(prompts), per_call)
-    with eval_mode(model):  # no dropout, and transformers 5.17's checkpointed layers keep the KV cache
+    # eval mode: no dropout, and transformers 5.17's checkpointed layers keep the KV cache; the static
+    # (compiled) path reads bf16 copies of the matmul weights instead of casting the fp32 ones every token
+    with eval_mode(model), decode_weights(model, enabled=sampling.get("static", False)):
         chunks = [decode(model, prompts[i:i + per_call], group_size=group_size, **sampling)
                   for i in tqdm(starts, desc="rollout", disable=None if progress and len(starts) > 1 else True,
                                 leave=False, file=sys.stdout)]
@@ -1145,7 +1147,7 @@ def train_loop(run, cfg, ddp):
             batch, rollout_metrics = build_batch(my_tasks, model, run.tokenizer, cfg, state.generator, dev,
                                                  autocast=autocast, global_sum=ddp.global_sum, progress=ddp.master)
             t1 = time.time()
-            step_memory.before_step(dev)  # CUDA: the static cache goes unless it fits beside the step
+            step_memory.before_step(dev)  # CUDA: the decode state goes unless it fits beside the step
             # student (and teacher) forward and backward, in micro-batches; a diverging loss stops the run
             with gathered(run.teacher and run.teacher.own, run.initial_model if cfg["kl_coef"] > 0 else None):  # fsdp
                 loss_metrics = loss_backward(model, batch, cfg, dev, teacher=run.teacher, initial_model=run.initial_model,
@@ -1486,5 +1488,9 @@ if __name__ == "__main__":
     from configurator import configure
     try:
         main(configure(globals(), sys.argv[1:], __file__))
+    except LostRank as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(1)
     except UserError as e:
         sys.exit(f"error: {e}")

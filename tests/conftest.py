@@ -1,5 +1,6 @@
 """Shared fixtures and helpers: the toy data (prepared once), a tiny model config, a train.py runner, and
 the small models, batches and finished runs several phase files use (no test file imports another)."""
+import hashlib
 import json
 import os
 import shutil
@@ -13,6 +14,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 # a model small enough that a few iterations take seconds on a 2-core CPU
+# torchrun as this interpreter runs it (a `torchrun` on PATH may belong to another python and its torch)
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 TINY = ["--n_layer=1", "--n_head=2", "--n_embd=32", "--block_size=128", "--eval_max_prompts=4", "--eval_n=2",
         "--batch_prompts=4", "--group_size=4", "--micro_batch_size=8", "--max_new_tokens=8", "--warmup_iters=1",
         "--eval_interval=0", "--topk=10", "--loss_chunk=16"]
@@ -20,10 +23,13 @@ TINY = ["--n_layer=1", "--n_head=2", "--n_embd=32", "--block_size=128", "--eval_
 
 @pytest.fixture(scope="session")
 def toy_data():
-    """data/toy prepared (the tokenizer and five domains); returns the data dir."""
+    """data/toy prepared by the current data/toy/prepare.py (the tokenizer and the domains), written
+    anew when its stamp (the script's sha256) is missing or another script's; returns the data dir."""
     data = os.path.join(ROOT, "data")
-    if not os.path.exists(os.path.join(data, "toy", "tokenizer", "tokenizer_config.json")) or \
-            not os.path.exists(os.path.join(data, "toy", "context", "train.jsonl")):
+    with open(os.path.join(data, "toy", "prepare.py"), "rb") as f:
+        current = hashlib.sha256(f.read()).hexdigest()
+    stamp = os.path.join(data, "toy", "prepared.sha256")
+    if not os.path.exists(stamp) or open(stamp).read().strip() != current:
         subprocess.run([sys.executable, os.path.join(data, "toy", "prepare.py")], check=True, cwd=ROOT)
     return data
 

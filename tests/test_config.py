@@ -2,6 +2,8 @@
 value is one clear line and a non-zero exit, before any work; knobs that would silently do nothing in
 the references (lasgroup/SDPO, TRL's experimental SDPO, SDPO-CL) are refused too."""
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -21,6 +23,15 @@ def test_help_lists_every_knob_with_a_description():
         assert line is not None, f"--help does not list {key}"
         assert len(line.split("=", 1)[1].split(None, 1)) == 2, f"{key} has no description: {line!r}"
     assert len(defaults()) >= 60
+
+
+def test_help_into_a_reader_that_stops_early_exits_quietly():
+    """`python eval.py --help | head`: the pipe is closed before the help is written; one exit 0, no
+    BrokenPipeError traceback."""
+    proc = subprocess.Popen([sys.executable, "eval.py", "--help"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()  # long before the script has imported torch and printed anything
+    err = proc.stderr.read().decode()
+    assert proc.wait() == 0 and "Error" not in err, err[-2000:]
 
 
 def configure_error(*argv):

@@ -1,19 +1,15 @@
 """torchrun with 2 CPU processes (gloo): ranks stay identical and match one process."""
 import os
-import shutil
 import subprocess
-import sys
 
 import pytest
 import torch
 
-from conftest import ROOT, TINY, read_log, run_train
+from conftest import ROOT, TINY, TORCHRUN, read_log, run_train
 
 
 def torchrun(nproc, *args):
-    torchrun_bin = shutil.which("torchrun") or ""
-    cmd = [torchrun_bin] if torchrun_bin else [sys.executable, "-m", "torch.distributed.run"]
-    cmd += ["--standalone", f"--nproc_per_node={nproc}", "train.py", *args]
+    cmd = [*TORCHRUN, "--standalone", f"--nproc_per_node={nproc}", "train.py", *args]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -12,7 +12,7 @@ import types
 import pytest
 import torch
 
-from conftest import ROOT, TINY, cli_cfg, defaults, one_line_error, run_train
+from conftest import ROOT, TINY, TORCHRUN, cli_cfg, defaults, one_line_error, run_train
 
 import models
 import runtime
@@ -390,9 +390,7 @@ def test_ranks_reading_different_data_stop_in_one_line(toy_data, tmp_path):
         write_jsonl(tmp_path / f"data{rank}" / "d" / "test.jsonl", rows[:2])
     per_rank = tmp_path / "per_rank.py"
     per_rank.write_text(f"import os\ndata_dir = {str(tmp_path)!r} + '/data' + os.environ.get('RANK', '0')\n")
-    torchrun_bin = shutil.which("torchrun")
-    cmd = [torchrun_bin] if torchrun_bin else [sys.executable, "-m", "torch.distributed.run"]
-    proc = subprocess.run([*cmd, "--standalone", "--nproc_per_node=2", "train.py", "config/toy_base.py", *TINY,
+    proc = subprocess.run([*TORCHRUN, "--standalone", "--nproc_per_node=2", "train.py", "config/toy_base.py", *TINY,
                            "--stages=", "--eval_sets=", "--dataset=d", str(per_rank), "--max_iters=1", "--device=cpu",
                            f"--tokenizer_path={os.path.join(toy_data, 'toy', 'tokenizer')}", f"--out_dir={tmp_path / 'run'}"],
                           cwd=ROOT, capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))

@@ -13,7 +13,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from conftest import ROOT, TINY, assert_resume_continues_exactly, defaults, hand_made_batch, one_line_error, read_log, run_train
+from conftest import ROOT, TINY, TORCHRUN, assert_resume_continues_exactly, defaults, hand_made_batch, one_line_error, read_log, run_train
 
 import checkpoint
 import decoding
@@ -297,8 +297,8 @@ def test_lora_models_and_their_views_decode_on_the_static_cache_as_on_the_dynami
 def test_two_ranks_of_lora_equal_one_process(toy_data, base_dir, tmp_path):
     """Data parallelism over LoRA: the ranks sum the adapters' gradients only (the frozen base has
     none to all-reduce) and the merged model after 2 steps equals the one-process run's."""
-    def torchrun(nproc, *argv):  # this interpreter's torch.distributed.run (a torchrun on PATH may be another python's)
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "train.py", *argv]
+    def torchrun(nproc, *argv):
+        cmd = [*TORCHRUN, "--standalone", f"--nproc_per_node={nproc}", "train.py", *argv]
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600,
                               env=dict(os.environ, OMP_NUM_THREADS="1"))
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -2,7 +2,6 @@
 after a kill, and a rank that dies stops the other with one line instead of a hang."""
 import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -16,7 +15,7 @@ from safetensors.torch import load_file
 import checkpoint
 import runtime
 import train
-from conftest import ROOT, TINY, defaults, read_log, run_train
+from conftest import ROOT, TINY, TORCHRUN, defaults, read_log, run_train
 
 SDPO = ["config/sdpo_toy.py", *TINY, "--init_from=scratch", "--success_threshold=0.0", "--teacher=ema", "--density=0.5",
         "--learning_rate=1e-2", "--max_iters=4", "--save_interval=1", "--device=cpu"]
@@ -24,9 +23,7 @@ LOGGED = ("loss", "grad_norm", "reward", "resp_len", "div", "distill_frac", "ent
 
 
 def torchrun(nproc, script, *args, timeout=300, check=True):
-    torchrun_bin = shutil.which("torchrun") or ""
-    cmd = [torchrun_bin] if torchrun_bin else [sys.executable, "-m", "torch.distributed.run"]
-    cmd += ["--standalone", f"--nproc_per_node={nproc}", script, *args]
+    cmd = [*TORCHRUN, "--standalone", f"--nproc_per_node={nproc}", script, *args]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
                           env=dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1"))
     assert not check or proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -119,7 +116,7 @@ def test_fsdp_sdpo_run_equals_the_ddp_run(fsdp_sdpo, tmp_path):
 def test_fsdp_resume_after_a_kill_continues_exactly(fsdp_sdpo, tmp_path):
     """Killed (SIGKILL, every rank) after its second checkpoint, resumed with init_from=resume on the same
     2 ranks: the log and the weights are the uninterrupted run's, exactly. Another world size is refused."""
-    cmd = [shutil.which("torchrun") or "torchrun", "--standalone", "--nproc_per_node=2", "train.py", *SDPO,
+    cmd = [*TORCHRUN, "--standalone", "--nproc_per_node=2", "train.py", *SDPO,
            "--parallel=fsdp", f"--out_dir={tmp_path}"]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
                             env=dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1"))

@@ -149,6 +149,7 @@ def test_under_autocast_every_kv_cache_is_in_the_autocast_dtype(monkeypatch, det
     static path samples what the dynamic one does."""
     eager_compile(monkeypatch)
     monkeypatch.setattr(decoding, "_static_caches", {})
+    monkeypatch.setattr(decoding, "_decode_weights", {})
     model = tiny_qwen2(vocab=96)
     prompts = [[1, 4, 5, 6, 7], [8, 9], [10]]
     with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -177,7 +178,7 @@ def test_under_autocast_every_kv_cache_is_in_the_autocast_dtype(monkeypatch, det
 
 def test_at_most_one_static_cache_is_alive(monkeypatch):
     """A static cache per shape kept forever did not fit a GPU at the paper's scale: a longer batch
-    frees the live cache before allocating its own, a shorter one reuses it, and free_static_cache
+    frees the live cache before allocating its own, a shorter one reuses it, and free_decode_state
     (before a train step it does not fit beside) drops it."""
     eager_compile(monkeypatch)
     monkeypatch.setattr(decoding, "_static_caches", {})
@@ -193,17 +194,86 @@ def test_at_most_one_static_cache_is_alive(monkeypatch):
     assert rollout([[1, 4], [8]], 8) is first  # shorter: the same buffers
     longer = rollout([[1, 4, 5], [8, 9]], 70)
     assert longer is not first and longer.layers[0].keys.shape[2] >= 73
-    assert decoding.static_cache_bytes() == sum(t.numel() * t.element_size() for layer in longer.layers
-                                              for t in (layer.keys, layer.values))
-    decoding.free_static_cache()
-    assert not decoding._static_caches and decoding.static_cache_bytes() == 0
+    assert decoding.decode_state_bytes() == sum(t.numel() * t.element_size() for layer in longer.layers
+                                              for t in (layer.keys, layer.values))  # fp32: no decode weights
+    decoding.free_decode_state()
+    assert not decoding._static_caches and decoding.decode_state_bytes() == 0
 
 
-def test_the_static_cache_stays_through_a_train_step_only_where_it_fits():
+def test_decode_weights_are_the_casts_autocast_makes_so_no_number_changes():
+    """A compiled decode step traces autocast's weight casts into its graph and re-reads every fp32
+    weight at every token; decode_weights hands it bf16 copies instead. They are the casts autocast
+    makes, so a decode through them samples the same tokens with the same log-probs, bit for bit."""
+    model = tiny_qwen2(vocab=96)
+    fp32 = {n: p for n, p in model.named_parameters()}
+    prompts = [[1, 4, 5, 6, 7], [8, 9], [10]]
+
+    def rollout(copies):
+        with torch.autocast("cpu", dtype=torch.bfloat16), decoding.decode_weights(model, enabled=copies):
+            if copies:
+                linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+                assert {m.weight.dtype for m in linears} == {torch.bfloat16}
+                assert model.lm_head.weight is not model.model.embed_tokens.weight  # the embedding stays fp32
+                assert model.model.embed_tokens.weight.dtype == torch.float32
+            return train.decode(model, prompts, group_size=2, max_new_tokens=10, temperature=1.0, top_p=1.0, eos_ids=[2],
+                                pad_id=0, generator=torch.Generator().manual_seed(3))
+    try:
+        plain, copied = rollout(False), rollout(True)
+    finally:
+        decoding.free_decode_state()
+    assert copied.response_ids == plain.response_ids
+    assert all(torch.equal(a, b) for a, b in zip(copied.old_logprobs, plain.old_logprobs))
+    assert all(p is fp32[n] for n, p in model.named_parameters())  # the very fp32 parameters are back
+    assert model.lm_head.weight is model.model.embed_tokens.weight  # still tied
+    with decoding.decode_weights(model):  # outside autocast: nothing to copy
+        assert not decoding._decode_weights and model.lm_head.weight.dtype == torch.float32
+
+
+def test_decode_weights_are_kept_refreshed_after_a_step_and_freed_with_the_static_cache(monkeypatch):
+    """Between rollouts the copies stay (the same buffers, so CUDA graphs replay), refreshed on entry
+    from the weights the optimizer step wrote; another model replaces them (at most one set alive);
+    free_decode_state drops them with the static cache; an error inside puts the fp32 weights back."""
+    eager_compile(monkeypatch)
+    monkeypatch.setattr(decoding, "_static_caches", {})
+    monkeypatch.setattr(decoding, "_decode_weights", {})
+    model, other = tiny_qwen2(vocab=96), tiny_qwen2(vocab=96, seed=1)
+    prompts = [[1, 4, 5, 6, 7], [8, 9]]
+
+    def rollout(m):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return train.generate(m, prompts, group_size=2, max_new_tokens=8, temperature=1.0, top_p=1.0, eos_ids=[2],
+                                  pad_id=0, generator=torch.Generator().manual_seed(5), static=True)
+    rollout(model)
+    slots = decoding._decode_weights["slots"]
+    pointers = [c.data_ptr() for *_, c in slots]
+    n_linear = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
+    assert len(slots) == n_linear + 3 * model.config.num_hidden_layers  # + Qwen2's q, k, v biases
+    assert decoding.decode_state_bytes() > 0
+    with torch.no_grad():  # an optimizer step, in place
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    after_step = rollout(model)
+    assert [c.data_ptr() for *_, c in decoding._decode_weights["slots"]] == pointers  # same buffers, new values
+    decoding.free_decode_state()
+    assert not decoding._decode_weights and not decoding._static_caches and decoding.decode_state_bytes() == 0
+    fresh = rollout(model)  # new copies of the stepped weights: what the refreshed ones gave
+    assert fresh.response_ids == after_step.response_ids
+    assert all(torch.equal(a, b) for a, b in zip(fresh.old_logprobs, after_step.old_logprobs))
+    rollout(other)
+    assert decoding._decode_weights["model"]() is other and len(decoding._decode_weights["slots"]) == len(slots)
+    weight = model.lm_head.weight
+    with pytest.raises(RuntimeError, match="inside"):
+        with torch.autocast("cpu", dtype=torch.bfloat16), decoding.decode_weights(model):
+            raise RuntimeError("inside")
+    assert model.lm_head.weight is weight and weight.dtype == torch.float32
+    decoding.free_decode_state()
+
+
+def test_the_decode_state_stays_through_a_train_step_only_where_it_fits():
     gb = 10 ** 9
-    assert decoding.static_cache_fits(allocated=80 * gb, step_extra=40 * gb, total=141 * gb)
-    assert not decoding.static_cache_fits(allocated=128 * gb, step_extra=35 * gb, total=141 * gb)  # the paper-scale case
-    assert not decoding.static_cache_fits(allocated=1 * gb, step_extra=None, total=141 * gb)  # first step: not measured yet
+    assert decoding.decode_state_fits(allocated=80 * gb, step_extra=40 * gb, total=141 * gb)
+    assert not decoding.decode_state_fits(allocated=128 * gb, step_extra=35 * gb, total=141 * gb)  # the paper-scale case
+    assert not decoding.decode_state_fits(allocated=1 * gb, step_extra=None, total=141 * gb)  # first step: not measured yet
     memory = decoding.StepMemory()
     memory.before_step(torch.device("cpu"))  # a CPU run keeps its cache (no device memory to run out of)
     memory.after_step(torch.device("cpu"))

@@ -29,6 +29,7 @@ The teacher templates are train.py's defaults, read from its source (nothing und
 imports train.py, or torch) so the two never disagree.
 """
 import ast
+import hashlib
 import json
 import os
 import random
@@ -184,6 +185,14 @@ def bytes_to_unicode():
     return chars
 
 
+STAMP = "prepared.sha256"  # the sha256 of this script that wrote the files (tests re-prepare on a change)
+
+
+def source_hash():
+    with open(os.path.abspath(__file__), "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
 def write_domain(domain, seed, out_root):
     """N_TEST distinct test questions, then N_TRAIN training draws (repeats allowed: some domains
     have only a few thousand distinct questions) that never hit a test question. Returns the
@@ -237,6 +246,8 @@ if __name__ == "__main__":
     code_context = write_context_set("context_code", CODE_DOMAINS)
     tokenizer = build_char_tokenizer()
     tokenizer.save_pretrained(os.path.join(HERE, "tokenizer"))
+    with open(os.path.join(HERE, STAMP), "w") as f:  # last: the files above are complete and from this script
+        f.write(source_hash() + "\n")
     counts = ", ".join(f"{d} {N_TRAIN[d]}" for d in DOMAINS + CODE_DOMAINS)
     print(f"wrote train ({counts}) and test ({N_TEST} each) sets, {len(context)} teacher-context "
           f"training lines in context/train.jsonl ({len(code_context)} for the code domain in context_code/) "

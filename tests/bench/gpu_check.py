@@ -23,12 +23,13 @@ Sections (each check prints PASS / FAIL with its numbers as it finishes):
      with --grad_checkpointing=True (the headline configs' setting: rollouts must keep their cache)
   c  tests/bench/bench_loss.py on the device (bf16 inputs, the main size N=8192 H=4096 V=128256): fused
      vs the fp32 naive and the bf16-matmul naive, and the full-vocab JSD against Liger's fused linear
-     JSD when liger_kernel is importable
+     JSD when liger_kernel is importable (tests/bench/gpu_wheels.sh fetches its wheel to carry)
   d  rollout tokens/s at a random-init Qwen3-0.6B shape (toy tokenizer, vocab padded to 128) as
      train.py runs it: fp32 weights under bf16 autocast, the model in train mode with gradient
-     checkpointing on: train.generate (dynamic cache), train.generate(static=True) and HF generate
-     (the same autocast); 32 prompts x 8 samples x 128 new tokens, 1 warm-up (for static: the
-     torch.compile) + 2 timed runs each; the number of graphs dynamo compiled
+     checkpointing on: train.generate (dynamic cache), train.generate(static=True) (its compiled step
+     reads bf16 copies of the weights: decoding.decode_weights) and HF generate (the same autocast);
+     32 prompts x 8 samples x 128 new tokens, 1 warm-up (for static: the torch.compile) + 2 timed
+     runs each; the number of graphs dynamo compiled
 
 Targets (GPU only; reported, exit code unaffected unless --strict): fused loss >= 1.0x the bf16
 naive's speed and <= 10 % of its peak memory at the main size; the fused JSD within 1.2x of Liger's
@@ -161,7 +162,7 @@ def reset_compile():
     """A fresh torch.compile state: the static path compiles as it would in a new process."""
     torch._dynamo.reset()
     decoding._compiled_steps.clear()
-    decoding._static_caches.clear()
+    decoding.free_decode_state()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
 

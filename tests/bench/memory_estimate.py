@@ -119,7 +119,7 @@ def lora_rows(rows, cfg, model, n, world_size):
         "copies": ("teacher copy: the EMA teacher's adapter (fp32); the base is shared" if ema else
                    "teacher / reference copies: none (the frozen teacher and the reference are the base view)",
                    4 * n_ad if ema else 0),
-        "autocast_gen": (f"autocast's bf16 copies of the {kind} base{none}", 0 if base == 2 else 2 * n),
+        "autocast_gen": (f"bf16 copies of the {kind} base for decoding{none}", 0 if base == 2 else 2 * n),
         "autocast_step": (f"autocast's bf16 copies of the {kind} base, saved for the backward{none}",
                           0 if base == 2 else 2 * n),
         "adamw_step": ("optimizer step: foreach AdamW's sqrt(v) temporary (fp32), the adapters", 4 * n_ad),
@@ -204,7 +204,8 @@ def estimate(cfg, model, world_size=1, prompt_tokens=512, teacher_prompt_tokens=
          f"{cache_len} tokens (bucketed from {seq})", gen_rows * cache_len * kv_per_token, "generation"),
         ("kv_prefill", f"prefill KV cache, repeated for the group, while copied into the static one: {gen_rows} rows x "
          f"{prompt_tokens} tokens", gen_rows * prompt_tokens * kv_per_token, "generation"),
-        ("autocast_gen", "autocast's bf16 copies of the fp32 weights, held through a generate call", 2 * n, "generation"),
+        ("autocast_gen", "bf16 copies of the fp32 weights, held through a generate call (the decode weights; at most: "
+         "embeddings are not copied)", 2 * n, "generation"),
         ("kv_teacher", f"KV cache, one teacher forward: {micro} rows x {t_seq} tokens" if sdpo
          else f"KV cache, one teacher forward: none (algo={algo})", micro * t_seq * kv_per_token if sdpo else 0,
          "train step"),
@@ -224,18 +225,20 @@ def estimate(cfg, model, world_size=1, prompt_tokens=512, teacher_prompt_tokens=
     n_adapter = 0
     if cfg["lora_rank"]:
         rows, n_adapter = lora_rows(rows, cfg, model, n, world_size)
-    # the rollout's static cache stays through the train step only where both fit (decoding.StepMemory)
+    # the decode state (the rollout's static cache and the decode weights, decoding.decode_weights) stays
+    # through the train step only where it fits (decoding.StepMemory); fsdp keeps no decode weights
     phases = {p: sum(b for _, _, b, q in rows if q == p) for p in ("state", "generation", "train step", "optimizer")}
-    rollout_cache = train_rows * cache_len * kv_per_token
-    kept = phases["state"] + phases["train step"] + rollout_cache <= SLACK * gpu_bytes
-    rows.insert(-1, ("kv_kept", f"the rollout's static KV cache beside the train step: " + (
-        f"kept (fits in {SLACK:.0%} of {gpu_bytes / GB:.0f} GB)" if kept else
-        f"freed before the step (does not fit in {SLACK:.0%} of {gpu_bytes / GB:.0f} GB beside it)"),
-        rollout_cache if kept else 0, "train step"))
-    phases["train step"] += rollout_cache if kept else 0
+    decode_copies = 0 if cfg["parallel"] == "fsdp" or not train_rows else next(b for k, _, b, _ in rows if k == "autocast_gen")
+    decode_state = train_rows * cache_len * kv_per_token + decode_copies
+    kept = phases["state"] + phases["train step"] + decode_state <= SLACK * gpu_bytes
+    rows.insert(-1, ("decode_state_kept", "the decode state (the rollout's static KV cache + the decode weights) beside "
+                     "the train step: " + (f"kept (fits in {SLACK:.0%} of {gpu_bytes / GB:.0f} GB)" if kept else
+                                            f"freed before the step (does not fit in {SLACK:.0%} of {gpu_bytes / GB:.0f} GB beside it)"),
+                     decode_state if kept else 0, "train step"))
+    phases["train step"] += decode_state if kept else 0
     peak = phases["state"] + max(phases["generation"], phases["train step"], phases["optimizer"])
     peak = max(peak, sum(b for _, _, b, q in rows if q == "load"))  # fsdp: the whole models, before sharding
-    summary = dict(params=n, lora_params=n_adapter, kv_per_token=kv_per_token, gen_rows=gen_rows, micro_rows=micro, static_cache_kept=kept,
+    summary = dict(params=n, lora_params=n_adapter, kv_per_token=kv_per_token, gen_rows=gen_rows, micro_rows=micro, decode_state_kept=kept,
                    teacher_prompt_tokens=teacher_prompt_tokens, phases=phases, peak=peak,
                    peak_phase=max(("generation", "train step", "optimizer"), key=phases.get))
     return rows, summary
@@ -331,7 +334,7 @@ def main(argv=None):
         "peak_gb": round(peak / GB, 1), "peak_phase": s["peak_phase"], "needs_gb": round(peak / SLACK / GB, 1),
         "gen_rows": s["gen_rows"], "micro_rows": s["micro_rows"],
         "kv_cache_gen_gb": round(next(b for k, _, b, _ in rows if k == "kv_generate") / GB, 1),
-        "static_cache_kept": s["static_cache_kept"],
+        "decode_state_kept": s["decode_state_kept"],
         "settings": {"prompt_tokens": args.prompt_tokens, "teacher_prompt_tokens": s["teacher_prompt_tokens"],
                      **{k: cfg[k] for k in ("parallel", "algo", "teacher", "kl_coef", "batch_prompts", "group_size", "eval_n",
                                             "gen_batch_size", "micro_batch_size", "grad_checkpointing", "max_new_tokens",

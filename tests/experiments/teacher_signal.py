@@ -215,7 +215,7 @@ def main():
 
     keys = ["logp_sum", "logp_tok", "logp_answer", "wrong_logp_sum", f"mean@{args.n}", f"copy@{args.n}"]
     overall = {v: {k: sum(results[d][v][k] for d in domains) / len(domains) for k in keys} for v in ("plain", "demo+", "demo-")}
-    print(f"\nmean over domains ('up' = fraction of prompts whose correct-response log-prob rose vs plain)")
+    print("\nmean over domains ('up' = fraction of prompts whose correct-response log-prob rose vs plain)")
     print(f"{'prompt':<8}" + "".join(f"{k:>15}" for k in keys))
     for v, r in overall.items():
         print(f"{v:<8}" + "".join(f"{r[k]:>15.3f}" for k in keys))
