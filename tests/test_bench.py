@@ -111,6 +111,19 @@ def test_every_shipped_qwen3_config_gets_an_estimate(capsys):
     assert {"sdpo_gsm8k.py", "grpo_gsm8k.py", "sdpo_math.py", "grpo_math.py", "continual_real.py"} <= set(named)
 
 
+def test_the_device_session_script_brings_back_the_table_json_console_and_logs(toy_data, tmp_path):
+    """tests/bench/gpu_session.sh is what a lent GPU machine runs: gpu_check into a scratch folder, then
+    into $OUT (which brings back at most 8 files) its table, JSON, console log and one logs archive."""
+    out = tmp_path / "out"
+    proc = subprocess.run(["bash", "tests/bench/gpu_session.sh", "d", "--cpu"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=600, env=dict(os.environ, OUT=str(out), OMP_NUM_THREADS="1", PATH=os.path.dirname(
+                              sys.executable) + os.pathsep + os.environ["PATH"]))  # python3: this interpreter
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    assert sorted(os.listdir(out)) == ["console_d.log", "gpu_check_d.json", "gpu_check_d.md", "logs_d.tgz"]
+    assert json.loads((out / "console_d.log").read_text().strip().splitlines()[-1])["correctness_ok"]
+    assert "| sec | check | status | numbers |" in (out / "gpu_check_d.md").read_text()
+
+
 def test_gpu_check_runs_every_section_in_cpu_mode(toy_data, tmp_path):
     """tests/bench/gpu_check.py --cpu runs the GPU check's code paths at tiny sizes: every section reports,
     the correctness checks pass, and the last line is the JSON with them (speed is not checked)."""

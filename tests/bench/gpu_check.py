@@ -3,6 +3,8 @@
     python tests/bench/gpu_check.py --only=a,c,d --out=runs/gc   # one GPU, the first command (<= 4 min on an H200)
     python tests/bench/gpu_check.py --only=b --out=runs/gc       # the second command (<= 4 min)
     python tests/bench/gpu_check.py --cpu          # the same code paths at tiny sizes on the CPU (tests/test_bench.py)
+    bash tests/bench/gpu_session.sh a,c,d          # on a machine without network: installs the carried .whl/ (Liger,
+                                                   # tests/bench/gpu_wheels.sh), runs one command, gathers $OUT
 Each command writes into --out (default: a new temp dir, kept): its table (gpu_check_<sections>.md),
 the full JSON (gpu_check_<sections>.json), and the train.py runs with their logs (logs/); it prints
 the table and, last, a short JSON line (the verdicts and the files), well under the 12,000 characters
