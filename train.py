@@ -58,8 +58,8 @@ Simplifications, on purpose:
   - Token-mean losses divide by the token count of the whole step (all micro-batches, all ranks),
     so the step size does not depend on how the batch is split.
   - Generation is plain HF forward calls with a KV cache, no vLLM and no paged attention. On CUDA
-    the decode step runs on a static KV cache through torch.compile (CUDA graphs): a fixed-shape
-    fast path, not a serving engine.
+    the decode step runs on a static KV cache through torch.compile (CUDA graphs), reading bf16
+    copies of the fp32 weights (decoding.decode_weights): a fixed-shape fast path, not a serving engine.
   - One GPU, or under torchrun DDP-style data parallelism (a hand-written gradient all-reduce) or
     FSDP2 sharding of weights, gradients, optimizer state and teacher (parallel=fsdp, runtime.py).
 """

@@ -11,16 +11,16 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 venv=${OLD_VENV:-${TMPDIR:-/tmp}/nanosdpo-old-versions}
 pins=(torch==2.13.0 transformers==5.17.0)
-if ! "$venv/bin/python" -c "import torch, transformers, pytest, peft
+if ! "$venv/bin/python" -c "import torch, transformers, pytest, peft, xdist
 assert torch.__version__.split('+')[0] == '2.13.0' and transformers.__version__ == '5.17.0'" 2>/dev/null; then
     rm -rf "$venv"
     python -m venv "$venv"
     # torch first: the plain requirement must not pull a multi-GB CUDA build (as .ci/run does)
     "$venv/bin/python" -m pip install -q "${pins[0]}"
-    "$venv/bin/python" -m pip install -q "${pins[1]}" "datasets>=3.0" tqdm numpy safetensors "pytest>=8.0" peft==0.21.2
+    "$venv/bin/python" -m pip install -q "${pins[1]}" "datasets>=3.0" tqdm numpy safetensors "pytest>=8.0" "pytest-xdist>=3.5" peft==0.21.2
 fi
 "$venv/bin/python" -c "import torch, transformers; print(f'old versions: torch {torch.__version__}, transformers {transformers.__version__}')"
-OMP_NUM_THREADS=1 "$venv/bin/python" -m pytest -q -p no:cacheprovider \
+OMP_NUM_THREADS=1 "$venv/bin/python" -m pytest -q -p no:cacheprovider -n auto --dist loadfile \
     tests/test_models.py tests/test_rollout.py tests/test_loss.py tests/test_step.py tests/test_loss_weights.py \
     tests/test_teacher_context.py tests/test_teacher.py tests/test_train.py tests/test_lora.py tests/test_parallel.py \
     tests/test_run_folder.py::test_resume_continues_exactly \

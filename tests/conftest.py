@@ -1,5 +1,6 @@
 """Shared fixtures and helpers: the toy data (prepared once), a tiny model config, a train.py runner, and
 the small models, batches and finished runs several phase files use (no test file imports another)."""
+import fcntl
 import hashlib
 import json
 import os
@@ -29,9 +30,20 @@ def toy_data():
     with open(os.path.join(data, "toy", "prepare.py"), "rb") as f:
         current = hashlib.sha256(f.read()).hexdigest()
     stamp = os.path.join(data, "toy", "prepared.sha256")
-    if not os.path.exists(stamp) or open(stamp).read().strip() != current:
-        subprocess.run([sys.executable, os.path.join(data, "toy", "prepare.py")], check=True, cwd=ROOT)
+    with open(os.path.join(data, "toy", ".prepare.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # pytest -n: one worker prepares, the others wait, then find it current
+        if not os.path.exists(stamp) or open(stamp).read().strip() != current:
+            subprocess.run([sys.executable, os.path.join(data, "toy", "prepare.py")], check=True, cwd=ROOT)
     return data
+
+
+@pytest.fixture(autouse=True)
+def no_decode_state_left():
+    """Each test starts without another's static cache or decode weights (decoding's module state, which
+    holds a model's tensors): under pytest -n the order of tests in a worker varies."""
+    yield
+    import decoding
+    decoding.free_decode_state()
 
 
 @pytest.fixture

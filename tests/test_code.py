@@ -471,9 +471,6 @@ def test_the_code_benchmark_runs_and_its_runners_agree():
 
 @pytest.fixture(scope="module")
 def toy_func(toy_data):
-    if not os.path.exists(os.path.join(toy_data, "toy", "func", "test.jsonl")):  # prepared before func existed
-        import subprocess
-        subprocess.run([sys.executable, os.path.join(toy_data, "toy", "prepare.py")], check=True, cwd=REPO)
     return {split: tasks.load("toy/func", split, toy_data, kinds=train.REWARD_FNS, need_solution=True)
             for split in ("train", "test")}
 
