@@ -139,7 +139,7 @@ def test_gpu_check_runs_every_section_in_cpu_mode(toy_data, tmp_path):
     assert set(out["seconds"]) == {"a", "b", "c", "d"}
     names = " / ".join(out["correctness"])
     for expected in ("fused == naive, fp32", "bf16 inputs", "bf16 products (autocast)", "static == dynamic",
-                     "static ~ dynamic", "resume continues exactly", "SFT", "GRPO", "SDPO"):
+                     "static ~ dynamic", "bf16 decode weights", "resume continues exactly", "SFT", "GRPO", "SDPO"):
         assert expected in names, (expected, names)
     assert out["correctness_ok"] and set(out["correctness"].values()) == {"PASS"}
     assert len(lines[-1]) < 6000  # the short form: a device call returns 12,000 characters

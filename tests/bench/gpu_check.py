@@ -16,7 +16,8 @@ Sections (each check prints PASS / FAIL with its numbers as it finishes):
          distill mode, bf16 inputs (bf16 products), and fp32 weights with bf16 products (autocast,
          as train.py runs on CUDA); relative errors of the loss and both gradients
        - train.generate(static=True) == the dynamic-cache decode with the device generator: the same
-         tokens (fp32), and under bf16 autocast (train.py's CUDA rollouts) nearly all rows the same
+         tokens (fp32), and under bf16 autocast (train.py's CUDA rollouts) nearly all rows the same; the
+         static decode through the bf16 decode weights ~ the one casting the fp32 weights every step
        - a resume on the device continues exactly: `python train.py` SDPO + EMA teacher 3 + 3
          iterations == 6 (tests/test_run_folder.py::test_resume_continues_exactly, on the device; on CUDA
          under torch.use_deterministic_algorithms, so only the resume itself can make them differ)
@@ -44,11 +45,11 @@ script's --train wrapper, in the resume check's train.py runs; section b's runs 
 --static_rollout=off there and overlap the other sections (CPU timings mean nothing here).
 
 Budget on one H200, an estimate from reading the code (no GPU was lent when it was written; the
-printed seconds tell): a ~1.5 min (two small compiles in this process while the resume runs, three
+printed seconds tell): a ~1.7 min (three small compiles in this process while the resume runs, three
 short train.py runs with their compiles, go on beside them), c ~1 min (the fp32 naive at the main
 size is the slow column), d ~1.3 min (the 0.6B static compile, ~50 s, then 3 x 3 engines x 256 rows
-x 128 tokens): `--only=a,c,d` ~3.8 min; b ~2.5 min (three train.py runs, each compiling its decode
-step; SFT 250 iterations, GRPO and SDPO 20): `--only=b`. ~6.3 min in all, plus each command's start.
+x 128 tokens): `--only=a,c,d` ~4 min; b ~2.5 min (three train.py runs, each compiling its decode
+step; SFT 250 iterations, GRPO and SDPO 20): `--only=b`. ~6.5 min in all, plus each command's start.
 """
 import sys
 
@@ -284,6 +285,21 @@ def check_static_vs_dynamic(C):
         frac, diff = compare(st, dyn)
         # bf16 rounding differs between eager and compiled kernels: a near-tie may sample another
         # token, after which a row differs; the log-probs up to there must agree to bf16 precision
+        ok = frac >= 0.75 and diff <= 0.05
+        C.add("a", name, "PASS" if ok else "FAIL",
+              f"identical rows {frac:.0%} (need >= 75%), max abs log-prob diff on the common prefix {diff:.1e} (tol 0.05)",
+              dict(same_rows=frac, max_logprob_diff=diff))
+
+    name = "static decode: bf16 decode weights ~ fp32 weights cast every step (bf16 autocast)"
+    with C.guard("a", name):
+        real = train.decode_weights
+        train.decode_weights = lambda model, enabled=True: real(model, enabled=False)  # the step casts (a recompile)
+        try:
+            casting = gen(True, autocast)
+        finally:
+            train.decode_weights = real
+        frac, diff = compare(st, casting)
+        # the same bf16 values reach the same matmuls; only the compiled graphs differ (casts in or out)
         ok = frac >= 0.75 and diff <= 0.05
         C.add("a", name, "PASS" if ok else "FAIL",
               f"identical rows {frac:.0%} (need >= 75%), max abs log-prob diff on the common prefix {diff:.1e} (tol 0.05)",
