@@ -231,8 +231,9 @@ def test_decode_weights_are_the_casts_autocast_makes_so_no_number_changes():
 
 def test_decode_weights_are_kept_refreshed_after_a_step_and_freed_with_the_static_cache(monkeypatch):
     """Between rollouts the copies stay (the same buffers, so CUDA graphs replay), refreshed on entry
-    from the weights the optimizer step wrote; another model replaces them (at most one set alive);
-    free_decode_state drops them with the static cache; an error inside puts the fp32 weights back."""
+    from the weights the optimizer step wrote; free_decode_state drops them with the static cache, and
+    new ones compile nothing new; another model replaces them (at most one set alive); an error inside
+    puts the fp32 weights back."""
     eager_compile(monkeypatch)
     monkeypatch.setattr(decoding, "_static_caches", {})
     monkeypatch.setattr(decoding, "_decode_weights", {})
@@ -243,7 +244,9 @@ def test_decode_weights_are_kept_refreshed_after_a_step_and_freed_with_the_stati
         with torch.autocast("cpu", dtype=torch.bfloat16):
             return train.generate(m, prompts, group_size=2, max_new_tokens=8, temperature=1.0, top_p=1.0, eos_ids=[2],
                                   pad_id=0, generator=torch.Generator().manual_seed(5), static=True)
+    from torch._dynamo.utils import counters
     rollout(model)
+    graphs = counters["stats"]["unique_graphs"]
     slots = decoding._decode_weights["slots"]
     pointers = [c.data_ptr() for *_, c in slots]
     n_linear = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
@@ -259,6 +262,7 @@ def test_decode_weights_are_kept_refreshed_after_a_step_and_freed_with_the_stati
     fresh = rollout(model)  # new copies of the stepped weights: what the refreshed ones gave
     assert fresh.response_ids == after_step.response_ids
     assert all(torch.equal(a, b) for a, b in zip(fresh.old_logprobs, after_step.old_logprobs))
+    assert counters["stats"]["unique_graphs"] == graphs, "refreshed or new copies: no recompile"
     rollout(other)
     assert decoding._decode_weights["model"]() is other and len(decoding._decode_weights["slots"]) == len(slots)
     weight = model.lm_head.weight
