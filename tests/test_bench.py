@@ -96,6 +96,34 @@ def test_memory_estimate_counts_the_static_cache_the_weight_copies_and_what_stay
     assert big["rows_gb"]["decode_state_kept"] == pytest.approx(rows["kv_generate"] + rows["autocast_gen"], abs=0.011)
 
 
+SMALL_GPU = ["--gpu_gb=24", "--init_from=Qwen/Qwen3-0.6B", "--gen_batch_size=32", "--micro_batch_size=8"]  # the files' 0.6B lines
+README_MEMORY = {  # README's configs table: each row's memory figures, in order, and the estimate each comes from
+    "`grpo_gsm8k.py` / `sdpo_gsm8k.py`": [["--config=config/grpo_gsm8k.py", "--gpu_gb=80"],
+                                         ["--config=config/sdpo_gsm8k.py", "--gpu_gb=80"],
+                                         ["--config=config/grpo_gsm8k.py", *SMALL_GPU], ["--config=config/sdpo_gsm8k.py", *SMALL_GPU]],
+    "`grpo_math.py` / `sdpo_math.py`": [["--config=config/grpo_math.py"], ["--config=config/sdpo_math.py"]],
+    "`grpo_code.py` / `sdpo_code.py`": [["--config=config/grpo_code.py", "--prompt_tokens=2048"],
+                                       ["--config=config/sdpo_code.py", "--prompt_tokens=2048"]],
+    "`continual_real.py`": [["--config=config/continual_real.py"], ["--config=config/continual_real.py", "--prompt_tokens=2048"]],
+    "`sdpo_math.py --parallel=fsdp` (torchrun, 8 ranks)": [
+        ["--config=config/sdpo_math.py", "--parallel=fsdp", "--world_size=8", "--gpu_gb=80"],
+        ["--config=config/sdpo_math.py", "--parallel=fsdp", "--world_size=8", "--gpu_gb=80", "--init_from=Qwen/Qwen3-8B",
+         "--micro_batch_size=4"]],
+    "`sdpo_math_lora.py`": [["--config=config/sdpo_math_lora.py", "--gpu_gb=24"],
+                            ["--config=config/sdpo_math_lora.py", "--gpu_gb=24", "--teacher=frozen"]],
+}
+
+
+def test_readmes_memory_figures_are_what_memory_estimate_prints_today(capsys):
+    """Every figure in README's configs table is the peak memory_estimate.py gives for its config now
+    (a change to the estimate or to a config shows up here, not in a stale table)."""
+    with open(os.path.join(ROOT, "README.md")) as f:
+        rows = {line.split("|")[1].strip(): line.split("|")[-2] for line in f if line.startswith("| `")}
+    for name, commands in README_MEMORY.items():
+        figures = [float(x) for x in re.findall(r"(\d+\.\d)(?![\dB])", rows[name])]  # GB figures, not "0.6B"
+        assert figures == [estimate(capsys, *argv)["peak_gb"] for argv in commands], (name, rows[name])
+
+
 def test_every_shipped_qwen3_config_gets_an_estimate(capsys):
     from configurator import configure
     import train
