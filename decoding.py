@@ -121,8 +121,10 @@ def decode_weights(model, enabled=True):
             or len(slots) != len(matmul_params(model)) or any(c.dtype != dtype for *_, c in slots):
         _decode_weights.clear()  # another model, or its parameters were replaced: new copies
         copies = {}  # one copy per tensor: tied weights stay tied
-        slots = [(m, name, p, copies.setdefault(id(p), torch.nn.Parameter(p.detach().to(dtype), requires_grad=False)))
-                 for m, name, p in matmul_params(model)]
+        for _, _, p in matmul_params(model):
+            if id(p) not in copies:
+                copies[id(p)] = torch.nn.Parameter(p.detach().to(dtype), requires_grad=False)
+        slots = [(m, name, p, copies[id(p)]) for m, name, p in matmul_params(model)]
         _decode_weights.update(model=weakref.ref(model), slots=slots)
     else:
         with torch.no_grad():
