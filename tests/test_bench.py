@@ -162,12 +162,13 @@ def test_gpu_check_runs_every_section_in_cpu_mode(toy_data, tmp_path):
     out = json.loads(lines[-1])
     rows = [line for line in lines if line.startswith("| ")]
     assert rows[0] == "| sec | check | status | numbers |"
-    assert {row.split("|")[1].strip() for row in rows[1:]} == {"a", "b", "c", "d"}  # every section has a row
-    assert out["mode"] == "cpu" and out["sections"] == ["a", "b", "c", "d"] and out["errors"] == {}
-    assert set(out["seconds"]) == {"a", "b", "c", "d"}
+    assert {row.split("|")[1].strip() for row in rows[1:]} == {"a", "b", "c", "d", "e"}  # every section has a row
+    assert out["mode"] == "cpu" and out["sections"] == ["a", "b", "c", "d", "e"] and out["errors"] == {}
+    assert set(out["seconds"]) == {"a", "b", "c", "d", "e"}
     names = " / ".join(out["correctness"])
     for expected in ("fused == naive, fp32", "bf16 inputs", "bf16 products (autocast)", "static == dynamic",
-                     "static ~ dynamic", "bf16 decode weights", "resume continues exactly", "SFT", "GRPO", "SDPO"):
+                     "static ~ dynamic", "bf16 decode weights", "resume continues exactly", "SFT", "GRPO", "SDPO",
+                     "the headline config's first 2 iterations"):
         assert expected in names, (expected, names)
     assert out["correctness_ok"] and set(out["correctness"].values()) == {"PASS"}
     assert len(lines[-1]) < 6000  # the short form: a device call returns 12,000 characters

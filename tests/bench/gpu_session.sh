@@ -2,14 +2,14 @@
 # One gpu_check command on a lent GPU machine (the device tool), its results gathered into $OUT, which
 # brings back at most 8 files:
 #   bash tests/bench/gpu_session.sh a,c,d      # the first command (carry .whl: tests/bench/gpu_wheels.sh)
-#   bash tests/bench/gpu_session.sh b          # the second
+#   bash tests/bench/gpu_session.sh b,e        # the second
 #   bash tests/bench/gpu_session.sh d --cpu    # more arguments go to gpu_check.py (--cpu: tests this script)
 # Installs the carried wheels (.whl/, if any) without the index, runs tests/bench/gpu_check.py into a
 # scratch folder, and copies into $OUT (default runs/gc) its table, its JSON, the console log and the
 # train.py runs' logs as one archive. Exits with gpu_check's code.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-sections=${1:?usage: gpu_session.sh SECTIONS (a,c,d or b) [gpu_check.py arguments]}
+sections=${1:?usage: gpu_session.sh SECTIONS (a,c,d or b,e) [gpu_check.py arguments]}
 shift
 out=${OUT:-runs/gc}
 mkdir -p "$out"
