@@ -27,8 +27,9 @@ max_reprompt_len = 10240
 # the references' normalisation: each response's token mean, averaged over all responses
 distill_agg = "seq-mean"
 # memory: decode 24 rows at a time, recompute blocks in the backward, 4 sequences a micro-batch (the code
-# stage's prompts run to ~2k tokens): 108.4 GB peak estimated (120.5 GB with the allocator's slack; the code
-# stage 117.5 GB with --prompt_tokens=2048), python tests/bench/memory_estimate.py --config=config/continual_real.py
+# stage's prompts run to ~2k tokens); estimate: 108.4 GB peak, 120.5 GB with the allocator's slack
+# (python tests/bench/memory_estimate.py --config=config/continual_real.py), the code stage 117.5 GB peak, 130.5 GB with the allocator's
+# slack (python tests/bench/memory_estimate.py --config=config/continual_real.py --prompt_tokens=2048)
 gen_batch_size = 24
 grad_checkpointing = True
 micro_batch_size = 4

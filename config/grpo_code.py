@@ -17,7 +17,7 @@ max_new_tokens = 4096
 max_iters = 200
 eval_interval = 25
 save_interval = 25
-# 103.4 GB peak estimated (114.9 with the allocator's slack), same command with --config=config/grpo_code.py
+# estimate: 103.4 GB peak, 114.9 GB with the allocator's slack (python tests/bench/memory_estimate.py --config=config/grpo_code.py --prompt_tokens=2048)
 gen_batch_size = 24
 grad_checkpointing = True
 micro_batch_size = 8

@@ -4,7 +4,8 @@
 # steps, AdamW wd 0.01, grad clip 1, temperature 1, clip 0.2 / 0.28, no std normalisation, no KL;
 # 100 iterations, an eval every 25 on the training set's test split (gsm8k/test.jsonl).
 #   python data/gsm8k/prepare.py && python train.py config/grpo_gsm8k.py
-# A 24 GB GPU (estimate: 18.2 GB peak, 20.3 GB with the allocator's slack; --gpu_gb=24):
+# A 24 GB GPU (estimate: 18.2 GB peak, 20.3 GB with the allocator's slack (python tests/bench/memory_estimate.py --config=config/grpo_gsm8k.py
+# --gpu_gb=24 --init_from=Qwen/Qwen3-0.6B --gen_batch_size=32 --micro_batch_size=8)):
 #   python train.py config/grpo_gsm8k.py --init_from=Qwen/Qwen3-0.6B --gen_batch_size=32 --micro_batch_size=8 --out_dir=out/grpo_gsm8k_0.6b
 # this run: GRPO on gsm8k's train split
 out_dir = "out/grpo_gsm8k"
@@ -16,9 +17,8 @@ max_new_tokens = 1024
 # in-loop eval: all 1319 test problems, one sample each (mean@1, std. error ~1 point): ~5 rollout batches
 eval_n = 1
 eval_max_prompts = 0
-# memory, python tests/bench/memory_estimate.py --config=config/grpo_gsm8k.py --gpu_gb=80: 68.7 GB peak, 76.3 GB with
-# the allocator's slack (the decode state -- the static KV cache of 128 rows + bf16 decode weights -- stays
-# beside the train step)
+# memory (estimate: 68.7 GB peak, 76.3 GB with the allocator's slack (python tests/bench/memory_estimate.py --config=config/grpo_gsm8k.py --gpu_gb=80);
+# the decode state -- the static KV cache of 128 rows + bf16 decode weights -- stays beside the train step)
 gen_batch_size = 128
 grad_checkpointing = True
 micro_batch_size = 16

@@ -1,7 +1,7 @@
 # GRPO on math at the paper's settings: train.py's defaults are GRPO's (no std normalisation, clip
 # 0.2 / 0.28, no KL, 32 prompts x 8 rollouts, lr 1e-5), and the model, data, budget and memory
-# knobs are sdpo_math.py's, so the two runs compare side by side (99.0 GB peak estimated, 110.0 GB with the allocator's slack: the decode state -- static KV cache + bf16
-# decode weights -- is freed before each train step).
+# knobs are sdpo_math.py's, so the two runs compare side by side (estimate: 99.0 GB peak, 110.0 GB with the allocator's slack (python tests/bench/memory_estimate.py
+# --config=config/grpo_math.py); the decode state -- static KV cache + bf16 decode weights -- is freed before each train step).
 #   python train.py config/grpo_math.py
 out_dir = "out/grpo_math"
 # the model, thinking off

@@ -4,8 +4,8 @@
 # the environment's feedback (the first failing test: input, expected, got / the error / the timeout)
 # in the teacher's prompt when no peer succeeded -- their best teacher context. Two differences, on
 # purpose: one optimizer step per batch (theirs: ppo_mini_batch_size=1, several steps per batch) and
-# Qwen3-4B (their 8B's training state fits no single GPU here). Needs an H200-class GPU (estimate:
-# python tests/bench/memory_estimate.py --config=config/sdpo_code.py) and the data:
+# Qwen3-4B (their 8B's training state fits no single GPU here). Needs an H200-class GPU (the memory
+# estimate is beside gen_batch_size below) and the data:
 #   python data/livecodebench/prepare.py --train_split && python data/humaneval/prepare.py
 #   python train.py config/sdpo_code.py
 out_dir = "out/sdpo_code"
@@ -38,9 +38,8 @@ max_iters = 200
 eval_interval = 25
 save_interval = 25
 # memory: decode 24 rows (3 groups) at a time, recompute blocks in the backward, 4 sequences a micro-batch
-# (LCB prompts run to ~2k tokens): 117.5 GB peak estimated (130.5 GB with the allocator's slack; 32 rows
-# would need 141.3) with
-#   python tests/bench/memory_estimate.py --config=config/sdpo_code.py --prompt_tokens=2048
+# (LCB prompts run to ~2k tokens; estimate: 117.5 GB peak, 130.5 GB with the allocator's slack
+# (python tests/bench/memory_estimate.py --config=config/sdpo_code.py --prompt_tokens=2048); 32 rows would need 141.3)
 gen_batch_size = 24
 grad_checkpointing = True
 micro_batch_size = 4

@@ -4,8 +4,8 @@
 # alpha 0.5, top-100 + tail, IS clip 2. Also defaults: 100 iterations, an eval every 25, and the
 # eval set is the training set's test split (gsm8k/test.jsonl). Same run, GRPO: grpo_gsm8k.py.
 #   python data/gsm8k/prepare.py && python train.py config/sdpo_gsm8k.py
-# A 24 GB GPU: Qwen3-0.6B, decoding and training fewer rows at once (estimate: 20.6 GB peak, 22.9 GB with the allocator's slack;
-# memory_estimate.py --gpu_gb=24 with these overrides):
+# A 24 GB GPU: Qwen3-0.6B, decoding and training fewer rows at once (estimate: 20.6 GB peak, 22.9 GB with the allocator's slack
+# (python tests/bench/memory_estimate.py --config=config/sdpo_gsm8k.py --gpu_gb=24 --init_from=Qwen/Qwen3-0.6B --gen_batch_size=32 --micro_batch_size=8)):
 #   python train.py config/sdpo_gsm8k.py --init_from=Qwen/Qwen3-0.6B --gen_batch_size=32 --micro_batch_size=8 --out_dir=out/sdpo_gsm8k_0.6b
 # this run: SDPO on gsm8k's train split
 out_dir = "out/sdpo_gsm8k"
@@ -20,8 +20,8 @@ max_reprompt_len = 2048
 # in-loop eval: all 1319 test problems, one sample each (mean@1, std. error ~1 point): ~5 rollout batches
 eval_n = 1
 eval_max_prompts = 0
-# memory, python tests/bench/memory_estimate.py --config=config/sdpo_gsm8k.py --gpu_gb=80: 67.9 GB peak, 75.5 GB with
-# the allocator's slack (the static KV cache of 128 rows is freed before each train step)
+# memory (estimate: 67.9 GB peak, 75.5 GB with the allocator's slack (python tests/bench/memory_estimate.py --config=config/sdpo_gsm8k.py --gpu_gb=80);
+# the decode state -- the static KV cache of 128 rows + bf16 decode weights -- is freed before each train step)
 gen_batch_size = 128
 grad_checkpointing = True
 micro_batch_size = 16

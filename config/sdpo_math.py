@@ -1,10 +1,12 @@
 # SDPO on math at the paper's settings (arXiv 2607.01763): train.py's defaults are those settings
 # (32 prompts x 8 rollouts, lr 1e-5, 10 warmup steps, EMA teacher tau 0.05, alpha 0.5, top-100 +
-# tail, IS clip 2), so only what differs is set here. Needs an H200-class GPU (123.2 GB peak estimated, 136.9 GB with the allocator's slack:
-# python tests/bench/memory_estimate.py --config=config/sdpo_math.py) and the data:
+# tail, IS clip 2), so only what differs is set here. Needs an H200-class GPU
+# (estimate: 123.2 GB peak, 136.9 GB with the allocator's slack (python tests/bench/memory_estimate.py --config=config/sdpo_math.py))
+# and the data:
 #   python data/dapo_math/prepare.py && python data/math500/prepare.py && python data/aime/prepare.py && python data/amc23/prepare.py
 #   python train.py config/sdpo_math.py --density=0.5
-# On 8 x 80 GB (FSDP2 sharding, ~62 GB per GPU estimated; --init_from=Qwen/Qwen3-8B --micro_batch_size=4 for the 8B):
+# On 8 x 80 GB, FSDP2-sharded (estimate per GPU: 55.4 GB peak, 61.6 GB with the allocator's slack (python tests/bench/memory_estimate.py
+# --config=config/sdpo_math.py --parallel=fsdp --world_size=8 --gpu_gb=80)); --init_from=Qwen/Qwen3-8B --micro_batch_size=4 for the 8B:
 #   torchrun --nproc_per_node=8 train.py config/sdpo_math.py --parallel=fsdp
 out_dir = "out/sdpo_math"
 algo = "sdpo"

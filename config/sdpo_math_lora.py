@@ -1,7 +1,6 @@
 # config/sdpo_math.py's run (SDPO, Qwen3-4B, DAPO-Math-17k -> MATH500 / AIME24 / AMC23) on one 24 GB GPU:
-# LoRA adapters train, the base stays frozen in bf16 (pip install peft). Estimated 18.2 GB peak, a GPU of
-# 20.2 GB needed (arithmetic, not a measurement; no GPU has run it yet):
-#   python tests/bench/memory_estimate.py --config=config/sdpo_math_lora.py --gpu_gb=24
+# LoRA adapters train, the base stays frozen in bf16 (pip install peft). Arithmetic, not a measurement (no GPU
+# has run it yet): 18.2 GB peak, 20.2 GB with the allocator's slack (python tests/bench/memory_estimate.py --config=config/sdpo_math_lora.py --gpu_gb=24)
 #   python data/dapo_math/prepare.py && python data/math500/prepare.py && python data/aime/prepare.py && python data/amc23/prepare.py
 #   python train.py config/sdpo_math_lora.py
 # The EMA teacher is an EMA of the adapter (the base is shared: 0.26 GB); --teacher=frozen is the base

@@ -124,6 +124,21 @@ def test_readmes_memory_figures_are_what_memory_estimate_prints_today(capsys):
         assert figures == [estimate(capsys, *argv)["peak_gb"] for argv in commands], (name, rows[name])
 
 
+def test_the_config_files_memory_comments_are_what_memory_estimate_prints_today(capsys):
+    """Each config comment "X GB peak, Y GB with the allocator's slack (python tests/bench/memory_estimate.py
+    ...)" holds that command's peak and needs, as it prints them now."""
+    claims = []
+    for f in sorted(glob.glob(os.path.join(ROOT, "config", "*.py"))):
+        with open(f) as fh:  # the comments as one text: a claim may wrap over lines
+            text = " ".join(line.strip().lstrip("#").strip() for line in fh if line.strip().startswith("#"))
+        claims += [(os.path.basename(f), *m) for m in re.findall(
+            r"(\d+\.\d) GB peak, (\d+\.\d) GB with the allocator's slack \(python tests/bench/memory_estimate\.py ([^)]*)\)", text)]
+    assert len(claims) >= 12, claims
+    for name, peak, needs, argv in claims:
+        out = estimate(capsys, *argv.split())
+        assert (out["peak_gb"], out["needs_gb"]) == (float(peak), float(needs)), (name, argv)
+
+
 def test_every_shipped_qwen3_config_gets_an_estimate(capsys):
     from configurator import configure
     import train
