@@ -115,16 +115,17 @@ def decode_weights(model, enabled=True):
     if not enabled or dtype is None or is_sharded(model):
         yield
         return
-    live = _decode_weights.get("model")
+    params, live = matmul_params(model), _decode_weights.get("model")
     slots = _decode_weights.get("slots", [])
-    if live is None or live() is not model or any(m._parameters.get(name) is not p for m, name, p, _ in slots) \
-            or len(slots) != len(matmul_params(model)) or any(c.dtype != dtype for *_, c in slots):
-        _decode_weights.clear()  # another model, or its parameters were replaced: new copies
+    current = live is not None and live() is model and len(slots) == len(params) and all(
+        m is m2 and name == name2 and p is p2 and c.dtype == dtype for (m, name, p, c), (m2, name2, p2) in zip(slots, params))
+    if not current:  # another model, another dtype, or its parameters were replaced: new copies
+        _decode_weights.clear()
         copies = {}  # one copy per tensor: tied weights stay tied
-        for _, _, p in matmul_params(model):
+        for _, _, p in params:
             if id(p) not in copies:
                 copies[id(p)] = torch.nn.Parameter(p.detach().to(dtype), requires_grad=False)
-        slots = [(m, name, p, copies[id(p)]) for m, name, p in matmul_params(model)]
+        slots = [(m, name, p, copies[id(p)]) for m, name, p in params]
         _decode_weights.update(model=weakref.ref(model), slots=slots)
     else:
         with torch.no_grad():
