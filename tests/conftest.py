@@ -1,7 +1,7 @@
 """Shared fixtures and helpers: the toy data (prepared once), a tiny model config, a train.py runner, and
 the small models, batches and finished runs several phase files use (no test file imports another)."""
 import fcntl
-import hashlib
+import importlib.util
 import json
 import os
 import shutil
@@ -27,12 +27,12 @@ def toy_data():
     """data/toy prepared by the current data/toy/prepare.py (the tokenizer and the domains), written
     anew when its stamp (the script's sha256) is missing or another script's; returns the data dir."""
     data = os.path.join(ROOT, "data")
-    with open(os.path.join(data, "toy", "prepare.py"), "rb") as f:
-        current = hashlib.sha256(f.read()).hexdigest()
-    stamp = os.path.join(data, "toy", "prepared.sha256")
+    spec = importlib.util.spec_from_file_location("toy_prepare", os.path.join(data, "toy", "prepare.py"))
+    prepare = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(prepare)
     with open(os.path.join(data, "toy", ".prepare.lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # pytest -n: one worker prepares, the others wait, then find it current
-        if not os.path.exists(stamp) or open(stamp).read().strip() != current:
+        if not prepare.is_current():
             subprocess.run([sys.executable, os.path.join(data, "toy", "prepare.py")], check=True, cwd=ROOT)
     return data
 

@@ -193,6 +193,15 @@ def source_hash():
         return hashlib.sha256(f.read()).hexdigest()
 
 
+def is_current(out_root=HERE):
+    """Whether out_root holds complete files written by this very script (its stamp is this script's hash)."""
+    path = os.path.join(out_root, STAMP)
+    if not os.path.exists(path):
+        return False
+    with open(path) as f:
+        return f.read().strip() == source_hash()
+
+
 def write_domain(domain, seed, out_root):
     """N_TEST distinct test questions, then N_TRAIN training draws (repeats allowed: some domains
     have only a few thousand distinct questions) that never hit a test question. Returns the
