@@ -548,27 +548,18 @@ class _Tee:
 
 # ============================================================================= d: rollout tokens/s
 
-QWEN3_SHAPES = {  # Qwen3-0.6B's body; "tiny" for --cpu
-    "0.6b": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
-                 num_key_value_heads=8, head_dim=128),
-    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, head_dim=16),
-}
+# --cpu's stand-in for memory_estimate.ARCH's Qwen3 shapes (random_qwen3's "tiny")
+TINY_QWEN3 = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  head_dim=16, tie_word_embeddings=True)
 
 
 def section_d(C):
-    from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
     reset_compile()
-    shape, n_prompts, group, max_new, runs = ("0.6b", 32, 8, 128, 2) if not C.cpu else ("tiny", 4, 2, 16, 2)
+    shape, n_prompts, group, max_new, runs = ("qwen3-0.6b", 32, 8, 128, 2) if not C.cpu else ("tiny", 4, 2, 16, 2)
     # as train.py runs it: fp32 master weights, bf16 autocast (CUDA), train mode with gradient checkpointing
     autocast = runtime.make_autocast(C.dev, "bfloat16" if not C.cpu else "float32")
-    tok = AutoTokenizer.from_pretrained(os.path.join(ROOT, "data", "toy", "tokenizer"))
-    cfg = Qwen3Config(vocab_size=128, max_position_embeddings=4096, tie_word_embeddings=True,
-                      eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, bos_token_id=None, **QWEN3_SHAPES[shape])
-    torch.manual_seed(0)
-    with C.dev:  # initialised on the device: seconds, not a minute of CPU init at 0.6B
-        model = Qwen3ForCausalLM(cfg)
-    model = model.to(C.dev, torch.float32).train()
+    model, tok = random_qwen3(shape, C.dev, os.path.join(ROOT, "data", "toy", "tokenizer"), vocab=128)
+    model.train()
     models.enable_grad_checkpointing(model)
     tasks = train.load_tasks("toy/sort", "test", os.path.join(ROOT, "data"))[:n_prompts]
     prompts = [train.prompt_ids(tok, t["messages"]) for t in tasks]
@@ -645,16 +636,16 @@ def section_d(C):
 
 # ============================================================================= e: the headline config's memory
 
-def random_qwen3(shape, dev, tokenizer_path):
-    """(model, tokenizer): a random-init Qwen3 of memory_estimate's ARCH shape (its vocabulary, 151936) or
-    QWEN3_SHAPES' "tiny" (the toy vocabulary padded to 128), fp32 on dev, checked as load_model checks, with
-    the toy tokenizer (its ids are a subset of the vocabulary)."""
+def random_qwen3(shape, dev, tokenizer_path, vocab=None):
+    """(model, tokenizer): a random-init Qwen3 of memory_estimate's ARCH shape (default vocabulary: its
+    151936) or TINY_QWEN3 ("tiny"; default: the toy vocabulary padded to 128), fp32 on dev, checked as
+    load_model checks, with the tokenizer at tokenizer_path (the toy one: its ids are within the vocabulary)."""
     from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
     from tests.bench.memory_estimate import ARCH, VOCAB
-    tok = AutoTokenizer.from_pretrained(os.path.join(ROOT, "data", "toy", "tokenizer"))
-    arch = dict(QWEN3_SHAPES["tiny"], tie_word_embeddings=True) if shape == "tiny" else ARCH[shape]
-    cfg = Qwen3Config(vocab_size=128 if shape == "tiny" else VOCAB, max_position_embeddings=8192, eos_token_id=tok.eos_token_id,
-                      pad_token_id=tok.pad_token_id, bos_token_id=None, **arch)
+    tok = AutoTokenizer.from_pretrained(tokenizer_path)
+    arch = TINY_QWEN3 if shape == "tiny" else ARCH[shape]
+    cfg = Qwen3Config(vocab_size=vocab or (128 if shape == "tiny" else VOCAB), max_position_embeddings=8192,
+                      eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, bos_token_id=None, **arch)
     torch.manual_seed(0)
     with dev:  # initialised on the device: seconds, not minutes of CPU init at 4B
         model = Qwen3ForCausalLM(cfg)
