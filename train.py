@@ -89,7 +89,7 @@ from decoding import StepMemory, decode_weights, forward_with_cache, new_cache, 
 from models import (base_view, check_lora_settings, context_length, disable_dropout, enable_grad_checkpointing, eval_mode,
                     fit_prompt, fit_tasks, frozen_copy, has_chat_template, lm_head, load_model, load_student, pad_batch,
                     prompt_budget, prompt_ids, response_hidden, stop_token_ids, takes_position_ids)
-from runtime import Dist, LostRank, amp_dtype, fp32_out_mm, full_state_dict, gathered, make_autocast
+from runtime import Dist, LostRank, amp_dtype, env_int, fp32_out_mm, full_state_dict, gathered, leave, make_autocast
 from teacher import Teacher
 
 # ----------------------------------------------------------------------------- defaults
@@ -1111,6 +1111,8 @@ def main(cfg):
         except Collapse as e:
             raise UserError(metrics.collapse_message(run.ckpt_dir, run.state.iter, run.state.guard.good, e)) from None
     run.log.say(f"done: {run.state.iter} iterations; model in {run.ckpt_dir}")
+    if run.log.wandb:
+        run.log.wandb.finish()
     if ddp.world > 1:
         dist.destroy_process_group()
 
@@ -1490,7 +1492,8 @@ if __name__ == "__main__":
         main(configure(globals(), sys.argv[1:], __file__))
     except LostRank as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
-        sys.stdout.flush()
-        os._exit(1)
+        leave(1)
     except UserError as e:
         sys.exit(f"error: {e}")
+    if env_int("WORLD_SIZE", 1) > 1:  # a torchrun rank, its work written: not through the gloo threads' race
+        leave(0)                      # with the interpreter's shutdown (runtime.leave)

@@ -151,3 +151,4 @@ if __name__ == "__main__":
         with open(sys.argv[1], "w") as f:
             json.dump(result, f)
     dist.destroy_process_group()
+    runtime.leave(0)  # not through the interpreter's shutdown, which races gloo's threads (runtime.leave)
