@@ -5,7 +5,7 @@
 # is PyPI's build (CUDA 13 and its nvidia-* libraries, a ~3.5 GB download; it runs without a GPU, and the
 # CUDA tests skip). The static-cache tests compile the decode step with backend="eager" (dynamo traces it
 # as on CUDA) and run under torch.use_deterministic_algorithms, where 5.17's caches failed (issue 21,
-# items 1, 3).
+# items 1, 3). No `datasets`, as there: train.py imports it only to read a hub dataset.
 #
 #   bash .ci/old_versions.sh            # creates (or reuses) the venv, then runs the tests
 #   OLD_VENV=/some/dir bash .ci/old_versions.sh
@@ -19,7 +19,7 @@ assert torch.__version__.split('+')[0] == '2.11.0' and transformers.__version__ 
     python -m venv "$venv"
     # torch first, pinned, so that the packages after it keep it
     "$venv/bin/python" -m pip install -q "${pins[0]}"
-    "$venv/bin/python" -m pip install -q "${pins[1]}" "datasets>=3.0" tqdm numpy safetensors "pytest>=8.0" "pytest-xdist>=3.5" peft==0.21.2
+    "$venv/bin/python" -m pip install -q "${pins[1]}" tqdm numpy safetensors "pytest>=8.0" "pytest-xdist>=3.5" peft==0.21.2
 fi
 "$venv/bin/python" -c "import torch, transformers; print(f'old versions: torch {torch.__version__}, transformers {transformers.__version__}')"
 OMP_NUM_THREADS=1 "$venv/bin/python" -m pytest -q -p no:cacheprovider -n auto --dist loadfile \

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 
 import huggingface_hub.constants
 import pytest
@@ -167,6 +168,24 @@ def sft_cfg(toy_data, out, **overrides):
                 batch_prompts=4, micro_batch_size=8, max_iters=2, eval_interval=0, eval_max_prompts=2, eval_n=2,
                 max_new_tokens=8, warmup_iters=1, learning_rate=1e-2, out_dir=str(out), device="cpu",
                 data_dir=toy_data, tokenizer_path=os.path.join(toy_data, "toy", "tokenizer"), **overrides)
+
+
+def test_a_wandb_run_gets_every_logged_row_and_is_finished_when_training_ends(toy_data, tmp_path, monkeypatch):
+    """wandb_log=True (a stand-in for the package): one wandb.init, each log.jsonl row logged at its
+    iteration, and the run finished by train.py itself at the end (a torchrun rank leaves without the
+    interpreter's exit hooks, runtime.leave, so wandb's own would never finish it)."""
+    calls = []
+
+    class Run:
+        def log(self, record, step):
+            calls.append(("log", step))
+
+        def finish(self):
+            calls.append(("finish",))
+    monkeypatch.setitem(sys.modules, "wandb", types.SimpleNamespace(init=lambda **kw: calls.append(("init",)) or Run()))
+    train.main(sft_cfg(toy_data, tmp_path / "run", wandb_log=True))
+    assert calls[0] == ("init",) and calls[-1] == ("finish",) and calls.count(("finish",)) == 1
+    assert [c[1] for c in calls if c[0] == "log"] == [r["iter"] for r in read_log(tmp_path / "run")]
 
 
 @pytest.mark.parametrize("save_dtype", ["float32", "bfloat16"])
