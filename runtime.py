@@ -3,6 +3,7 @@ Where a run executes: the device, autocast and its dtype, fp32-output GEMMs wher
 and torchrun's ranks (Dist: the process group, global sums, the gradient all-reduce, gathers), with
 parallel=fsdp the models sharded over them (FSDP2: shard_model, gathered, the full state dicts).
 """
+import atexit
 import contextlib
 import datetime
 import functools
@@ -229,11 +230,14 @@ class Dist:
 
 
 def leave(code):
-    """End a torchrun rank whose work is all written and closed: flush, then os._exit(code), without the
-    interpreter's shutdown. Why: a gloo worker thread can still be releasing the tensors of the last
-    collective when the interpreter shuts down, and its taking the GIL then kills it inside a destructor:
-    the process aborts with 'terminate called without an active exception' (pytorch/pytorch#190489;
-    measured: 2 of 40 runs of tests/parallel/fsdp_steps.py on a busy 2-core machine, transformers 5.17)."""
+    """End a torchrun rank whose work is all written and closed: the exit hooks run as at a normal exit
+    (atexit: wandb's, the code sandbox's teardown), then os._exit(code) skips the interpreter's shutdown.
+    Why: a gloo worker thread can still be releasing the tensors of the last collective when the
+    interpreter shuts down, and its taking the GIL then kills it inside a destructor: the process aborts
+    with 'terminate called without an active exception' (pytorch/pytorch#190489; 2 of 40 runs of
+    tests/parallel/fsdp_steps.py on a busy 2-core machine). The hooks run before that, with the
+    interpreter whole, so the race is not theirs."""
+    atexit._run_exitfuncs()  # the registered hooks, in the order a normal exit runs them
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

@@ -176,6 +176,15 @@ def test_a_rank_killed_mid_run_stops_the_other_with_one_line(toy_data, tmp_path,
     assert "Traceback" not in err
 
 
+def test_a_rank_leaves_with_its_exit_hooks_run_its_output_flushed_and_its_exit_code():
+    """runtime.leave, how a torchrun rank of train.py ends (past gloo's race with the interpreter's
+    shutdown): the atexit hooks (wandb's, the code sandbox's teardown) run first, the buffered output is
+    written, and the process exits with the code given."""
+    script = "import atexit, runtime; atexit.register(print, 'hook ran'); print('work done', end=''); runtime.leave(3)"
+    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 3 and proc.stdout == "work donehook ran\n", proc.stderr[-2000:]
+
+
 def test_fsdp_is_refused_in_one_line_where_it_cannot_run():
     with pytest.raises(train.UserError, match="parallel=fsdp shards the models over torchrun's ranks"):
         runtime.Dist("cpu", "fsdp")  # one process
