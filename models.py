@@ -29,7 +29,7 @@ from transformers.utils import logging as hf_logging
 from configurator import UserError, require
 from data import tasks as data_tasks
 from decoding import CACHE, new_cache
-from runtime import amp_dtype
+from runtime import amp_dtype, is_sharded, sharded_copy
 
 # progress bars and hub retry warnings would bury the one-line errors and the training log
 hf_logging.disable_progress_bar()
@@ -447,7 +447,9 @@ def enable_grad_checkpointing(model):
 
 
 def frozen_copy(model):
-    m = copy.deepcopy(model).eval()
+    """A copy of the model's weights in eval mode, without grad (the initial model, a teacher's own copy);
+    of a sharded model (parallel=fsdp) a copy sharded alike, never whole on the device (sharded_copy)."""
+    m = (sharded_copy(model) if is_sharded(model) else copy.deepcopy(model)).eval()
     m.requires_grad_(False)
     return m
 

@@ -5,12 +5,14 @@ parallel=fsdp the models sharded over them (FSDP2: shard_model, gathered, the fu
 """
 import atexit
 import contextlib
+import copy
 import datetime
 import functools
 import os
 import re
 import sys
 import types
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -161,9 +163,9 @@ class Dist:
         return max(self.gather(number))
 
     def shard(self, *models, param_dtype=None):
-        """parallel=fsdp: shard each model (None: skipped) over the ranks (shard_model)."""
+        """parallel=fsdp: shard each model (None or sharded already: skipped) over the ranks (shard_model)."""
         for model in models:
-            if model is not None and self.parallel == "fsdp":
+            if model is not None and self.parallel == "fsdp" and not is_sharded(model):
                 shard_model(model, self.device, self.world, param_dtype)
 
     def all_reduce_grads(self, model, bucket_elems=1 << 24):
@@ -275,11 +277,21 @@ def decoder_blocks(model):
     return blocks
 
 
+class Sharding(NamedTuple):
+    """How shard_model sharded a model (kept on it as model.nanosdpo_sharding): what a copy repeats."""
+    cls: type  # the model's class before fully_shard made it a subclass
+    dev: torch.device
+    world: int
+    param_dtype: torch.dtype = None
+
+
 def shard_model(model, dev, world, param_dtype=None):
     """fully_shard each decoder block, then the root, over a 1-D mesh of `world` ranks (the weights move to
-    dev). param_dtype (bf16 for dtype=bfloat16): FSDP's MixedPrecisionPolicy gathers the weights in it and
-    reduces the gradients in fp32; the sharded master weights and AdamW state stay fp32. Gradients are
-    summed over ranks, not averaged: each rank's loss is already divided by the whole step's token count."""
+    dev one block at a time). param_dtype (bf16 for dtype=bfloat16): FSDP's MixedPrecisionPolicy gathers the
+    weights in it and reduces the gradients in fp32; the sharded master weights and AdamW state stay fp32.
+    Gradients are summed over ranks, not averaged: each rank's loss is already divided by the whole step's
+    token count."""
+    sharding = Sharding(type(model), dev, world, param_dtype)
     mesh = init_device_mesh(dev.type, (world,))
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
     for block in decoder_blocks(model):
@@ -289,7 +301,40 @@ def shard_model(model, dev, world, param_dtype=None):
         group.set_gradient_divide_factor(1.0)
         group.set_force_sum_reduction_for_comms(True)
     _route_body_through_root(model)
+    model.nanosdpo_sharding = sharding
     return model
+
+
+def shard_like(model, like):
+    """Shard model as the sharded model `like` was (same mesh size, device, param_dtype)."""
+    s = like.nanosdpo_sharding
+    return shard_model(model, s.dev, s.world, s.param_dtype)
+
+
+def sharded_copy(model):
+    """A copy of a sharded model, sharded alike, without the whole model on the device at any point (FSDP
+    cannot deepcopy; a whole fp32 copy on every rank is what sharding avoids): the model's class built from
+    its config on the meta device, sharded as the original was, given memory (to_empty), and filled from
+    the original: each parameter's shard, the buffers (FSDP does not shard them: RoPE's tables), and the
+    plain tensors modules keep as attributes (RoPE's original_inv_freq), which meta left empty."""
+    with torch.device("meta"):
+        twin = model.nanosdpo_sharding.cls(copy.deepcopy(model.config))
+    names = [n for n, _ in model.named_parameters()]
+    if [n for n, _ in twin.named_parameters()] != names:
+        raise UserError(f"{type(model).__name__} built again from its config has other parameters than the loaded "
+                        "model: parallel=fsdp cannot copy it (use parallel=ddp)")
+    shard_like(twin, model)
+    twin.to_empty(device=model.nanosdpo_sharding.dev)
+    with torch.no_grad():
+        for t, p in zip(twin.parameters(), model.parameters()):
+            local(t).copy_(local(p))
+        for (_, t), (_, b) in zip(twin.named_buffers(), model.named_buffers()):
+            t.copy_(b)
+        for m_twin, m in zip(twin.modules(), model.modules()):
+            for key, value in vars(m).items():
+                if isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter):
+                    setattr(m_twin, key, value)  # constants computed at construction: shared, not copied
+    return twin
 
 
 def _route_body_through_root(model):

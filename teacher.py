@@ -11,7 +11,7 @@ from typing import NamedTuple
 import torch
 
 from models import adapter_copy, frozen_copy, lm_head, load_model, lora_layers, shared_prompt_hidden
-from runtime import local
+from runtime import is_sharded, local, shard_like
 
 
 class TeacherLogits(NamedTuple):
@@ -63,9 +63,9 @@ class Teacher:
         elif cfg["teacher"] in ("frozen", "ema"):
             own = frozen_copy(initial_model if initial_model is not None else model)
             if cfg["teacher_init"] and not resume:
-                # θ_T ← (1 − a)·θ_T + a·θ_init: the EMA update's formula, applied once
-                ema_update(own, load_model(cfg["teacher_init"], dev, scratch=cfg, with_tokenizer=False)[0],
-                           cfg["teacher_init_alpha"])
+                # θ_T ← (1 − a)·θ_T + a·θ_init: the EMA update's formula, applied once (shard by shard when sharded)
+                init = load_model(cfg["teacher_init"], dev, scratch=cfg, with_tokenizer=False)[0]
+                ema_update(own, shard_like(init, own) if is_sharded(own) else init, cfg["teacher_init_alpha"])
         return cls(cfg["teacher"], cfg["teacher_rate"], own=own,
                    initial=initial_model if cfg["teacher"] == "trust_region" else None)
 

@@ -969,6 +969,10 @@ def setup(cfg, ddp, stack):
     disable_dropout(model).train()  # dropout off (the RL references' choice): ρ = 1 before any update
     if cfg["grad_checkpointing"]:
         enable_grad_checkpointing(model)
+    # parallel=fsdp: each model sharded as soon as it exists, so that only the one being loaded is ever whole
+    # on the device (its copies are born sharded: frozen_copy)
+    param_dtype = amp_dtype(dev, cfg["dtype"])
+    ddp.shard(model, param_dtype=param_dtype)
     # the initial model: KL reference, frozen / trust-region teacher, 'initial' stage reset
     needs_initial = (cfg["algo"] != "sft" and cfg["kl_coef"] > 0) or (cfg["algo"] == "sdpo" and (
         Teacher.needs_initial(cfg["teacher"]) or cfg["teacher_stage_reset"] == "initial"))
@@ -977,8 +981,8 @@ def setup(cfg, ddp, stack):
         initial_model = (base_view(model) if cfg["lora_rank"] else
                          load_model(state.base_init, dev, scratch=cfg)[0].eval().requires_grad_(False) if resume
                          else frozen_copy(model))  # a fresh load needs no second copy
+    ddp.shard(initial_model, param_dtype=param_dtype)  # (a resumed run's, loaded whole)
     teacher = Teacher.create(cfg, model, initial_model, dev, resume)
-    ddp.shard(model, initial_model, teacher and teacher.own, param_dtype=amp_dtype(dev, cfg["dtype"]))  # parallel=fsdp
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg["learning_rate"],  # LoRA: adapters
                                   betas=(cfg["beta1"], cfg["beta2"]), weight_decay=cfg["weight_decay"])
     if resume:

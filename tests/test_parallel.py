@@ -71,8 +71,9 @@ def test_fsdp_sft_equals_one_process(toy_data, tmp_path):
 def test_fsdp_grpo_and_sdpo_steps_equal_one_process_on_the_same_global_batch(toy_data, tmp_path):
     """tests/parallel/fsdp_steps.py: 3 steps of GRPO (KL to a sharded initial model) and of SDPO (EMA
     teacher, sharded, updated on its shards) on 2 FSDP ranks, each training its share of a global batch,
-    against one process training all of it: the same loss, gradient norm, weights and teacher. Rank 1 has
-    fewer micro-batches and keeps step by lockstep; one generate call costs one all-gather per group."""
+    against one process training all of it: the same loss, gradient norm, weights and teacher. Both copies
+    are made from the sharded student (never whole); teacher_init mixes in alike. Rank 1 has fewer
+    micro-batches and keeps step by lockstep; one generate call costs one all-gather per group."""
     out = tmp_path / "steps.json"
     torchrun(2, "tests/parallel/fsdp_steps.py", str(out))
     result = json.loads(out.read_text())
@@ -84,6 +85,7 @@ def test_fsdp_grpo_and_sdpo_steps_equal_one_process_on_the_same_global_batch(toy
         assert r["weights_max_diff"] < 1e-4 < r["moved"]  # the weights moved, and moved alike
         assert all(rank1 < rank0 for rank0, rank1 in r["passes"])  # lockstep padded rank 1's passes
     assert result["sdpo"]["teacher_max_diff"] < 1e-5
+    assert result["teacher_init"]["max_diff"] < 1e-6 < result["teacher_init"]["moved"]  # teacher_init, mixed shard by shard
     gathers = result["all_gathers"]
     assert gathers["gathered"] == gathers["groups"] == 3  # 2 blocks + the root, once for 8 decode steps
     assert gathers["per_step"] > 2 * gathers["groups"]  # (what each decode step would cost without it)
@@ -209,7 +211,7 @@ def test_memory_estimate_gives_one_fsdp_rank_its_share(capsys):
     fsdp = estimate("--world_size=8", "--gpu_gb=80", "--parallel=fsdp")
     assert fsdp["state_gb"] == pytest.approx(ddp["state_gb"] / 8, abs=0.1)
     assert fsdp["rows_gb"]["fsdp_gathered_copies"] == pytest.approx(2 * fsdp["params"] / 1e9, abs=0.01)  # the EMA teacher
-    assert fsdp["rows_gb"]["fsdp_load"] == pytest.approx(8 * fsdp["params"] / 1e9, abs=0.01)  # student + teacher, fp32
+    assert fsdp["rows_gb"]["fsdp_load"] == pytest.approx(4 * fsdp["params"] * (1 + 2 / 8) / 1e9, abs=0.01)  # one whole, fp32
     assert ddp["needs_gb"] > 80 > fsdp["needs_gb"]
     big = estimate("--world_size=8", "--gpu_gb=80", "--parallel=fsdp", "--model=qwen3-8b", "--micro_batch_size=4")
     assert big["needs_gb"] < 80 < estimate("--world_size=8", "--gpu_gb=80", "--parallel=fsdp", "--model=qwen3-8b")["needs_gb"]

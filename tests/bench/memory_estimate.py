@@ -237,7 +237,7 @@ def estimate(cfg, model, world_size=1, prompt_tokens=512, teacher_prompt_tokens=
                      decode_state if kept else 0, "train step"))
     phases["train step"] += decode_state if kept else 0
     peak = phases["state"] + max(phases["generation"], phases["train step"], phases["optimizer"])
-    peak = max(peak, sum(b for _, _, b, q in rows if q == "load"))  # fsdp: the whole models, before sharding
+    peak = max(peak, sum(b for _, _, b, q in rows if q == "load"))  # fsdp: a model whole, before it is sharded
     summary = dict(params=n, lora_params=n_adapter, kv_per_token=kv_per_token, gen_rows=gen_rows, micro_rows=micro, decode_state_kept=kept,
                    teacher_prompt_tokens=teacher_prompt_tokens, phases=phases, peak=peak,
                    peak_phase=max(("generation", "train step", "optimizer"), key=phases.get))
@@ -251,8 +251,9 @@ def fsdp_rows(rows, a, n, world, *, sharded_copies, gathered_copies):
     step the EMA / frozen teacher and the KL reference gathered in bf16 (runtime.gathered, for the whole
     loss), two decoder blocks of the student (FSDP prefetches the next) and its root (embeddings, norm, LM
     head) through the step, and one block's gradients while they are reduce-scattered (bf16, fp32 for the
-    reduction). Before sharding, setup holds the student and its copies whole, in fp32 (the 'load' row:
-    a peak of its own, not on top of the state)."""
+    reduction). At load one model is whole on the device, in fp32, until it is sharded: the student (or a
+    resumed run's initial model, or teacher_init) beside the shards made so far; copies of a sharded model
+    are made sharded (runtime.sharded_copy). The 'load' row: a peak of its own, not on top of the state."""
     H, V, L = a["hidden_size"], VOCAB, a["num_hidden_layers"]
     root = V * H * (1 if a["tie_word_embeddings"] else 2) + H
     block = (n - root) // L
@@ -272,8 +273,8 @@ def fsdp_rows(rows, a, n, world, *, sharded_copies, gathered_copies):
                         6 * block, phase))
         else:
             out.append((key, label, b, phase))
-    out.append(("fsdp_load", f"at load, before sharding: the student and {sharded_copies} copies, whole (fp32)",
-                4 * n * (1 + sharded_copies), "load"))
+    out.append(("fsdp_load", f"at load: one model whole (fp32) beside the shards of {1 + sharded_copies} (each model is "
+                "sharded as it comes, its copies born sharded)", 4 * n + 4 * n * (1 + sharded_copies) // world, "load"))
     return out
 
 

@@ -6,7 +6,8 @@ the same global batch, and the all-gathers of a generate call. Writes one JSON o
 Each step's global batch is built once, identically on every rank, by an unsharded copy of the model
 (build_batch in one process: the loss weights are the whole batch's); each rank trains its share of the
 rows on the sharded model, the unsharded copy trains all of them. GRPO with the KL reference (a sharded
-initial model, gathered through the loss) and SDPO with the EMA teacher (sharded, updated on its shards).
+initial model, gathered through the loss) and SDPO with the EMA teacher (sharded, updated on its shards),
+both copied from the sharded student as train.py copies them (frozen_copy: runtime.sharded_copy).
 """
 import copy
 import json
@@ -52,10 +53,10 @@ def compare(algo, ddp):
     model, tokenizer = load_model("scratch", CPU, scratch=cfg)
     train.disable_dropout(model).train()
     one = copy.deepcopy(model)
-    initial, one_initial = (frozen_copy(model), frozen_copy(model)) if cfg["kl_coef"] > 0 else (None, None)
+    ddp.shard(model)  # as train.py does: the student first, then its copies, born sharded (runtime.sharded_copy)
+    initial, one_initial = (frozen_copy(model), frozen_copy(one)) if cfg["kl_coef"] > 0 else (None, None)
     teacher = Teacher.create(cfg, model, None, CPU, False)
     one_teacher = Teacher.create(cfg, one, None, CPU, False)
-    ddp.shard(model, initial, teacher and teacher.own)
     adamw = dict(lr=cfg["learning_rate"], betas=(cfg["beta1"], cfg["beta2"]), weight_decay=cfg["weight_decay"])
     opt, one_opt = torch.optim.AdamW(model.parameters(), **adamw), torch.optim.AdamW(one.parameters(), **adamw)
     tasks = train.load_tasks(cfg["dataset"], "train")[:cfg["batch_prompts"]]
@@ -93,8 +94,24 @@ def compare(algo, ddp):
         out["moved"] = max((v - start[k]).abs().max().item() for k, v in one.state_dict().items())
         if teacher:
             out["teacher_max_diff"] = max_diff(teacher_full, one_teacher.own.state_dict())
-    out["sharded"] = all(isinstance(p, runtime.DTensor) for p in model.parameters())
+    copies = [m for m in (model, initial, teacher and teacher.own) if m is not None]
+    out["sharded"] = all(isinstance(p, runtime.DTensor) for m in copies for p in m.parameters())
     return out
+
+
+def teacher_init_mix(ddp, folder):
+    """Teacher.create with teacher_init (another model mixed in once) on a sharded student: the model read
+    is sharded like the teacher and mixed in shard by shard. Its largest gap to the same mix unsharded, and
+    how far the mix moved the teacher from the student (rank 0)."""
+    cfg = dict(config("sdpo"), teacher_init=folder, teacher_init_alpha=0.25)
+    if ddp.master:
+        load_model("scratch", CPU, scratch=dict(cfg, seed=cfg["seed"] + 1))[0].save_pretrained(folder)
+    ddp.barrier()
+    model = load_model("scratch", CPU, scratch=cfg)[0]
+    student, want = model.state_dict(), Teacher.create(cfg, copy.deepcopy(model), None, CPU, False).own.state_dict()
+    ddp.shard(model)
+    got = runtime.full_state_dict(Teacher.create(cfg, model, None, CPU, False).own)
+    return {"max_diff": max_diff(got, want), "moved": max_diff(got, student)} if ddp.master else None
 
 
 def all_gathers(ddp):
@@ -145,6 +162,7 @@ def mixed_precision_and_collapse(ddp):
 if __name__ == "__main__":
     ddp = runtime.Dist("cpu", "fsdp")
     result = {algo: compare(algo, ddp) for algo in ("grpo", "sdpo")}
+    result["teacher_init"] = teacher_init_mix(ddp, os.path.join(os.path.dirname(os.path.abspath(sys.argv[1])), "init"))
     result["all_gathers"] = all_gathers(ddp)
     result["mixed_precision_and_collapse"] = mixed_precision_and_collapse(ddp)
     if ddp.master:
