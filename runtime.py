@@ -246,9 +246,10 @@ def leave(code):
 
 
 class LostRank(UserError):
-    """A peer rank died: train.py prints the line and leaves (os._exit), since the process group's threads
-    still wait on the dead peer and would print a C++ 'terminate called' line after it (or hang) while the
-    interpreter shuts down. Nothing is lost: the with-blocks (the lock, the log) have closed."""
+    """A peer rank died: train.py prints the line and leaves (leave: the exit hooks, then os._exit), since
+    the process group's threads still wait on the dead peer and would print a C++ 'terminate called' line
+    after it (or hang) while the interpreter shuts down. Nothing is lost: the with-blocks (the lock, the
+    log) have closed."""
 
 
 PEER_LOST = ("closed by peer", "reset by peer", "Broken pipe", "Connection refused", "NCCL communicator")

@@ -89,7 +89,7 @@ from decoding import StepMemory, decode_weights, forward_with_cache, new_cache, 
 from models import (base_view, check_lora_settings, context_length, disable_dropout, enable_grad_checkpointing, eval_mode,
                     fit_prompt, fit_tasks, frozen_copy, has_chat_template, lm_head, load_model, load_student, pad_batch,
                     prompt_budget, prompt_ids, response_hidden, stop_token_ids, takes_position_ids)
-from runtime import Dist, LostRank, amp_dtype, env_int, fp32_out_mm, full_state_dict, gathered, leave, make_autocast
+from runtime import Dist, amp_dtype, fp32_out_mm, full_state_dict, gathered, leave, make_autocast
 from teacher import Teacher
 
 # ----------------------------------------------------------------------------- defaults
@@ -1492,12 +1492,13 @@ def fused_token_loss(hidden, weight, tokens, loss_fn, teacher=None, div_rows=Non
 
 if __name__ == "__main__":
     from configurator import configure
+    one_of_ranks = os.environ.get("WORLD_SIZE", "").strip() not in ("", "1")  # under torchrun
     try:
         main(configure(globals(), sys.argv[1:], __file__))
-    except LostRank as e:
+    except UserError as e:  # a LostRank (another rank died) too
         print(f"error: {e}", file=sys.stderr, flush=True)
-        leave(1)
-    except UserError as e:
-        sys.exit(f"error: {e}")
-    if env_int("WORLD_SIZE", 1) > 1:  # a torchrun rank, its work written: not through the gloo threads' race
-        leave(0)                      # with the interpreter's shutdown (runtime.leave)
+        if one_of_ranks:
+            leave(1)
+        sys.exit(1)
+    if one_of_ranks:  # past the gloo threads' race with the interpreter's shutdown (runtime.leave)
+        leave(0)
