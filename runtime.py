@@ -320,10 +320,10 @@ def sharded_copy(model):
     plain tensors modules keep as attributes (RoPE's original_inv_freq), which meta left empty."""
     with torch.device("meta"):
         twin = model.nanosdpo_sharding.cls(copy.deepcopy(model.config))
-    names = [n for n, _ in model.named_parameters()]
-    if [n for n, _ in twin.named_parameters()] != names:
-        raise UserError(f"{type(model).__name__} built again from its config has other parameters than the loaded "
-                        "model: parallel=fsdp cannot copy it (use parallel=ddp)")
+    layout = [(n, p.dtype, p.shape) for n, p in model.named_parameters()]  # (a DTensor's shape is the whole one)
+    if [(n, p.dtype, p.shape) for n, p in twin.named_parameters()] != layout:
+        raise UserError(f"{type(model).__name__} built again from its config differs from the loaded model (parameter "
+                        "names, dtypes or shapes): parallel=fsdp cannot copy it; use parallel=ddp")
     shard_like(twin, model)
     twin.to_empty(device=model.nanosdpo_sharding.dev)
     with torch.no_grad():

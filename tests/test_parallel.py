@@ -86,6 +86,7 @@ def test_fsdp_grpo_and_sdpo_steps_equal_one_process_on_the_same_global_batch(toy
         assert all(rank1 < rank0 for rank0, rank1 in r["passes"])  # lockstep padded rank 1's passes
     assert result["sdpo"]["teacher_max_diff"] < 1e-5
     assert result["teacher_init"]["max_diff"] < 1e-6 < result["teacher_init"]["moved"]  # teacher_init, mixed shard by shard
+    assert "differs from the loaded model" in result["refused_copy"] and "\n" not in result["refused_copy"]
     gathers = result["all_gathers"]
     assert gathers["gathered"] == gathers["groups"] == 3  # 2 blocks + the root, once for 8 decode steps
     assert gathers["per_step"] > 2 * gathers["groups"]  # (what each decode step would cost without it)

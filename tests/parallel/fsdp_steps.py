@@ -114,6 +114,18 @@ def teacher_init_mix(ddp, folder):
     return {"max_diff": max_diff(got, want), "moved": max_diff(got, student)} if ddp.master else None
 
 
+def copy_of_a_model_its_config_does_not_rebuild(ddp):
+    """A sharded model whose class, built from its config, has other parameters (here: bf16 weights where
+    the config builds fp32 ones): frozen_copy refuses in one line instead of copying into the wrong dtype."""
+    model = load_model("scratch", CPU, scratch=config("sdpo"))[0].to(torch.bfloat16)
+    ddp.shard(model)
+    try:
+        frozen_copy(model)
+        return None
+    except runtime.UserError as e:
+        return str(e)
+
+
 def all_gathers(ddp):
     """How many all-gathers one generate call of 8 tokens costs, gathered once and not."""
     cfg = config("grpo")
@@ -162,6 +174,7 @@ def mixed_precision_and_collapse(ddp):
 if __name__ == "__main__":
     ddp = runtime.Dist("cpu", "fsdp")
     result = {algo: compare(algo, ddp) for algo in ("grpo", "sdpo")}
+    result["refused_copy"] = copy_of_a_model_its_config_does_not_rebuild(ddp)
     result["teacher_init"] = teacher_init_mix(ddp, os.path.join(os.path.dirname(os.path.abspath(sys.argv[1])), "init"))
     result["all_gathers"] = all_gathers(ddp)
     result["mixed_precision_and_collapse"] = mixed_precision_and_collapse(ddp)
