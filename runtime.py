@@ -162,6 +162,10 @@ class Dist:
     def max_over_ranks(self, number):
         return max(self.gather(number))
 
+    @property
+    def load_device(self):
+        return load_device(self.device, self.parallel)
+
     def shard(self, *models, param_dtype=None):
         """parallel=fsdp: shard each model (None or sharded already: skipped) over the ranks (shard_model)."""
         for model in models:
@@ -276,6 +280,14 @@ def decoder_blocks(model):
         raise UserError(f"{type(model).__name__} names no decoder block class (_no_split_modules) for parallel=fsdp "
                         "to shard: use parallel=ddp")
     return blocks
+
+
+def load_device(dev, parallel):
+    """Where a model is loaded: the CPU under parallel=fsdp, where shard_model then moves it onto dev one
+    group at a time (fully_shard moves a group's weights to its mesh's device as it shards them), so the
+    GPU never holds the whole model, only the shards and the group being sharded; dev otherwise. (The
+    host holds the whole model either way: from_pretrained reads it into host memory first.)"""
+    return torch.device("cpu") if parallel == "fsdp" else dev
 
 
 class Sharding(NamedTuple):

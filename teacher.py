@@ -53,8 +53,9 @@ class Teacher:
         return kind in ("frozen", "trust_region")
 
     @classmethod
-    def create(cls, cfg, model, initial_model, dev, resume):
-        """The run's teacher (None unless algo='sdpo'); a resumed run loads its own copy afterwards."""
+    def create(cls, cfg, model, initial_model, load_dev, resume):
+        """The run's teacher (None unless algo='sdpo'); a resumed run loads its own copy afterwards.
+        load_dev: where teacher_init is loaded (runtime.load_device: the CPU under parallel=fsdp)."""
         if cfg["algo"] != "sdpo":
             return None
         own = None
@@ -64,7 +65,7 @@ class Teacher:
             own = frozen_copy(initial_model if initial_model is not None else model)
             if cfg["teacher_init"] and not resume:
                 # θ_T ← (1 − a)·θ_T + a·θ_init: the EMA update's formula, applied once (shard by shard when sharded)
-                init = load_model(cfg["teacher_init"], dev, scratch=cfg, with_tokenizer=False)[0]
+                init = load_model(cfg["teacher_init"], load_dev, scratch=cfg, with_tokenizer=False)[0]
                 ema_update(own, shard_like(init, own) if is_sharded(own) else init, cfg["teacher_init_alpha"])
         return cls(cfg["teacher"], cfg["teacher_rate"], own=own,
                    initial=initial_model if cfg["teacher"] == "trust_region" else None)

@@ -945,7 +945,7 @@ def setup(cfg, ddp, stack):
     random.seed(cfg["seed"])
     torch.manual_seed(cfg["seed"])
     if not resume:
-        model, tokenizer = load_student(cfg["init_from"], dev, cfg)
+        model, tokenizer = load_student(cfg["init_from"], ddp.load_device, cfg)  # fsdp: on the CPU, until sharded
         eval_demos = fit_prompts(train_tasks, eval_tasks, model, tokenizer, cfg, log)
     if ddp.master:  # from here on, this run owns out_dir (a fresh run's inputs are all checked by now)
         for note in stack.enter_context(checkpoint.take_over(out_dir, resume, cfg["overwrite"])):
@@ -958,7 +958,7 @@ def setup(cfg, ddp, stack):
                                 saved["config"]["max_iters"]), stages, saved)  # may reopen the last stage in `saved`
         eval_names = checkpoint.kept_eval_sets(saved["accuracy_matrix"], eval_names, log.say)
         eval_tasks = {n: eval_tasks[n] for n in eval_names}
-        model, tokenizer = load_student(saved["base_init"] if cfg["lora_rank"] else ckpt_dir, dev, cfg)  # LoRA: + adapter/
+        model, tokenizer = load_student(saved["base_init"] if cfg["lora_rank"] else ckpt_dir, ddp.load_device, cfg)  # LoRA: + adapter/
         eval_demos = fit_prompts(train_tasks, eval_tasks, model, tokenizer, cfg, log)
     # the guard's memory starts at the first eval (train_loop); a resumed run's comes with the rest
     state = checkpoint.TrainState(generator=make_generator(cfg["seed"] + ddp.rank, dev), data_rng=random.Random(cfg["seed"]),
@@ -969,8 +969,8 @@ def setup(cfg, ddp, stack):
     disable_dropout(model).train()  # dropout off (the RL references' choice): ρ = 1 before any update
     if cfg["grad_checkpointing"]:
         enable_grad_checkpointing(model)
-    # parallel=fsdp: each model sharded as soon as it exists, so that only the one being loaded is ever whole
-    # on the device (its copies are born sharded: frozen_copy)
+    # parallel=fsdp: each model loaded on the CPU and sharded as soon as it exists, so that no model is ever whole
+    # on the device (shard_model moves it there a block at a time; its copies are born sharded: frozen_copy)
     param_dtype = amp_dtype(dev, cfg["dtype"])
     ddp.shard(model, param_dtype=param_dtype)
     # the initial model: KL reference, frozen / trust-region teacher, 'initial' stage reset
@@ -979,10 +979,10 @@ def setup(cfg, ddp, stack):
     initial_model = None
     if needs_initial:  # under LoRA the base view: the student with its adapter left out, nothing copied
         initial_model = (base_view(model) if cfg["lora_rank"] else
-                         load_model(state.base_init, dev, scratch=cfg)[0].eval().requires_grad_(False) if resume
+                         load_model(state.base_init, ddp.load_device, scratch=cfg)[0].eval().requires_grad_(False) if resume
                          else frozen_copy(model))  # a fresh load needs no second copy
-    ddp.shard(initial_model, param_dtype=param_dtype)  # (a resumed run's, loaded whole)
-    teacher = Teacher.create(cfg, model, initial_model, dev, resume)
+    ddp.shard(initial_model, param_dtype=param_dtype)  # (a resumed run's, loaded on the CPU)
+    teacher = Teacher.create(cfg, model, initial_model, ddp.load_device, resume)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg["learning_rate"],  # LoRA: adapters
                                   betas=(cfg["beta1"], cfg["beta2"]), weight_decay=cfg["weight_decay"])
     if resume:

@@ -199,6 +199,16 @@ def test_fsdp_is_refused_in_one_line_where_it_cannot_run():
     train.check_config(dict(defaults(), algo="sdpo", teacher="ema", parallel="fsdp"))
 
 
+def test_fsdp_loads_models_on_the_cpu_for_shard_model_to_move_a_group_at_a_time():
+    """Under parallel=fsdp train.py loads the student, a resumed run's initial model and teacher_init on the
+    CPU (runtime.load_device); fully_shard moves each group to the mesh's device as it shards it. Under ddp
+    (or one process) a model is loaded straight onto its device."""
+    gpu = torch.device("cuda", 1)
+    assert runtime.load_device(gpu, "fsdp") == torch.device("cpu")
+    assert runtime.load_device(gpu, "ddp") == gpu
+    assert runtime.load_device(torch.device("cpu"), "ddp") == torch.device("cpu")
+
+
 def test_memory_estimate_gives_one_fsdp_rank_its_share(capsys):
     """tests/bench/memory_estimate.py --parallel=fsdp --world_size=8: the fp32 state is 1/8 of one DDP rank's,
     the bf16 student / teacher gathered in their phases; Qwen3-4B SDPO (config/sdpo_math.py) then fits an
@@ -212,7 +222,9 @@ def test_memory_estimate_gives_one_fsdp_rank_its_share(capsys):
     fsdp = estimate("--world_size=8", "--gpu_gb=80", "--parallel=fsdp")
     assert fsdp["state_gb"] == pytest.approx(ddp["state_gb"] / 8, abs=0.1)
     assert fsdp["rows_gb"]["fsdp_gathered_copies"] == pytest.approx(2 * fsdp["params"] / 1e9, abs=0.01)  # the EMA teacher
-    assert fsdp["rows_gb"]["fsdp_load"] == pytest.approx(4 * fsdp["params"] * (1 + 2 / 8) / 1e9, abs=0.01)  # one whole, fp32
+    root = 151936 * 2560 + 2560  # Qwen3-4B's embedding (= its tied head) + final norm: its largest FSDP group
+    # at load (from the CPU, a group at a time): that group whole in fp32 beside the shards of student and teacher
+    assert fsdp["rows_gb"]["fsdp_load"] == pytest.approx((4 * root + 4 * fsdp["params"] * 2 / 8) / 1e9, abs=0.01)
     assert ddp["needs_gb"] > 80 > fsdp["needs_gb"]
     big = estimate("--world_size=8", "--gpu_gb=80", "--parallel=fsdp", "--model=qwen3-8b", "--micro_batch_size=4")
     assert big["needs_gb"] < 80 < estimate("--world_size=8", "--gpu_gb=80", "--parallel=fsdp", "--model=qwen3-8b")["needs_gb"]

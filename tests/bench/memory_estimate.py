@@ -251,9 +251,10 @@ def fsdp_rows(rows, a, n, world, *, sharded_copies, gathered_copies):
     step the EMA / frozen teacher and the KL reference gathered in bf16 (runtime.gathered, for the whole
     loss), two decoder blocks of the student (FSDP prefetches the next) and its root (embeddings, norm, LM
     head) through the step, and one block's gradients while they are reduce-scattered (bf16, fp32 for the
-    reduction). At load one model is whole on the device, in fp32, until it is sharded: the student (or a
-    resumed run's initial model, or teacher_init) beside the shards made so far; copies of a sharded model
-    are made sharded (runtime.sharded_copy). The 'load' row: a peak of its own, not on top of the state."""
+    reduction). At load each model is read on the CPU and moved onto the device one group at a time as it
+    is sharded (runtime.load_device): at most one group (a block, or the root) whole, in fp32, beside the
+    shards; copies of a sharded model are made sharded (runtime.sharded_copy). The 'load' row: a peak of
+    its own, not on top of the state."""
     H, V, L = a["hidden_size"], VOCAB, a["num_hidden_layers"]
     root = V * H * (1 if a["tie_word_embeddings"] else 2) + H
     block = (n - root) // L
@@ -273,8 +274,9 @@ def fsdp_rows(rows, a, n, world, *, sharded_copies, gathered_copies):
                         6 * block, phase))
         else:
             out.append((key, label, b, phase))
-    out.append(("fsdp_load", f"at load: one model whole (fp32) beside the shards of {1 + sharded_copies} (each model is "
-                "sharded as it comes, its copies born sharded)", 4 * n + 4 * n * (1 + sharded_copies) // world, "load"))
+    out.append(("fsdp_load", f"at load: one group whole (fp32: the {'root' if root >= block else 'largest block'}, moved "
+                f"from the CPU as it is sharded) beside the shards of {1 + sharded_copies} models (copies born sharded)",
+                4 * max(block, root) + 4 * n * (1 + sharded_copies) // world, "load"))
     return out
 
 
