@@ -115,7 +115,7 @@ def take_over(out_dir, resume, overwrite):
         earlier = [] if resume else earlier_outputs(out_dir)
         if earlier and not overwrite:
             raise UserError(f"out_dir {out_dir} holds an earlier run ({', '.join(earlier)}): continue it with "
-                            "--init_from=resume, or replace it with --overwrite=True")
+                            "--init_from=resume, replace it with --overwrite=True, or give this run another --out_dir")
         for name in earlier:
             path = os.path.join(out_dir, name)
             if os.path.isdir(path):

@@ -314,10 +314,12 @@ def prompt_budget(model, max_new_tokens, max_prompt_len=0):
     response (max_prompt_len, or the context minus max_new_tokens); nothing left is one line."""
     context = context_length(model) or math.inf
     cap = max_prompt_len or context - max_new_tokens
-    if cap <= 0 or cap + max_new_tokens > context:
-        asked = f"max_prompt_len={max_prompt_len} + " if max_prompt_len else ""
-        raise UserError(f"{asked}max_new_tokens={max_new_tokens} exceeds the model's context of {context} tokens: "
-                        "lower them")
+    if max_prompt_len and max_prompt_len + max_new_tokens > context:
+        raise UserError(f"max_prompt_len={max_prompt_len} + max_new_tokens={max_new_tokens} exceeds the model's context of "
+                        f"{context} tokens: lower --max_prompt_len or --max_new_tokens")
+    if cap <= 0:
+        raise UserError(f"max_new_tokens={max_new_tokens} leaves no room for a prompt in the model's context of {context} "
+                        "tokens: lower --max_new_tokens")
     return cap, context
 
 
@@ -416,7 +418,8 @@ def load_model(init, dev, dtype=torch.float32, scratch=None, with_tokenizer=True
             tokenizer = AutoTokenizer.from_pretrained(init) if with_tokenizer else None
             model = AutoModelForCausalLM.from_pretrained(init, dtype=dtype)
         except Exception as e:  # not on the hub, no network, a damaged file, an unknown architecture, ...
-            raise ModelError(f"cannot load model {init!r}: {(str(e).strip().splitlines() or [type(e).__name__])[0]}") from None
+            where = "" if os.path.isdir(init) else "no such folder here, and from the hub: "  # (a mistyped path, too)
+            raise ModelError(f"cannot load model {init!r}: {where}{(str(e).strip().splitlines() or [type(e).__name__])[0]}") from None
         if tokenizer is not None and len(tokenizer) < 2:  # what transformers builds, without a word, from no vocabulary
             raise ModelError(f"{init}'s tokenizer has {len(tokenizer)} token(s): its tokenizer files are missing or empty")
     if tokenizer is not None and tokenizer.pad_token_id is None:

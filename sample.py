@@ -22,7 +22,7 @@ prompt = "347+85"  # a single user prompt
 prompt_file = ""  # a text file (one prompt per line) or a data .jsonl file; overrides prompt
 system = ""  # optional system message
 num_samples = 1  # responses per prompt
-max_new_tokens = 256  # response length cap
+max_new_tokens = 0  # response length cap (0: half the model's context, at most 1024 tokens)
 temperature = 0.6  # sampling temperature (0 = greedy)
 top_p = 0.95  # nucleus sampling
 seed = 1337  # sampling seed
@@ -42,13 +42,21 @@ def read_prompts(prompt, prompt_file, system):
             for lineno, line in task_files.read_lines(prompt_file)]
 
 
+def default_response_cap(model):
+    """max_new_tokens=0: half the model's context (the other half for the prompt), at most 1024 tokens
+    (a toy model's 256-token context: 128; Qwen3's 40960: 1024)."""
+    context = models.context_length(model)
+    return max(1, min(1024, context // 2)) if context else 1024
+
+
 def main(cfg):
     check_seed(cfg["seed"])
     if not cfg["prompt_file"] and not cfg["prompt"]:
         raise train.UserError("nothing to sample: give --prompt=... or --prompt_file=...")
-    for key in ("num_samples", "max_new_tokens"):
-        if cfg[key] < 1:
-            raise train.UserError(f"{key}={cfg[key]} must be >= 1")
+    if cfg["num_samples"] < 1:
+        raise train.UserError(f"num_samples={cfg['num_samples']} must be >= 1")
+    if cfg["max_new_tokens"] < 0:
+        raise train.UserError(f"max_new_tokens={cfg['max_new_tokens']} must be >= 1 (or 0: half the model's context)")
     if cfg["temperature"] < 0 or not 0 < cfg["top_p"] <= 1:
         raise train.UserError("temperature must be >= 0 (0 = greedy) and top_p in (0, 1]")
     tasks = read_prompts(cfg["prompt"], cfg["prompt_file"], cfg["system"])
@@ -57,15 +65,16 @@ def main(cfg):
     dev = runtime.pick_device(cfg["device"])
     model, tokenizer = models.load_model(cfg["init_from"], dev)
     model.eval()
+    max_new_tokens = cfg["max_new_tokens"] or default_response_cap(model)
     # as train.py: prompts that leave no room for max_new_tokens in the context are left out, and counted
     tasks = models.fit_tasks(tasks, cfg["prompt_file"] or "prompt", tokenizer,
-                             cap=models.prompt_budget(model, cfg["max_new_tokens"])[0], enable_thinking=cfg["enable_thinking"],
+                             cap=models.prompt_budget(model, max_new_tokens)[0], enable_thinking=cfg["enable_thinking"],
                              fix="shorten the prompt or lower max_new_tokens (or use a model with a longer context)")
     generator = train.make_generator(cfg["seed"], dev)
     for task in tasks:
         messages = task["messages"]
         ids = train.prompt_ids(tokenizer, messages, cfg["enable_thinking"])
-        out = train.generate(model, [ids], group_size=cfg["num_samples"], max_new_tokens=cfg["max_new_tokens"],
+        out = train.generate(model, [ids], group_size=cfg["num_samples"], max_new_tokens=max_new_tokens,
                              temperature=cfg["temperature"], top_p=cfg["top_p"],
                              eos_ids=train.stop_token_ids(model, tokenizer), pad_id=tokenizer.pad_token_id,
                              generator=generator)

@@ -991,7 +991,8 @@ def setup(cfg, ddp, stack):
         if ddp.master:
             for name in ("log.jsonl", "samples.jsonl"):  # the iterations after the checkpoint are redone
                 checkpoint.truncate_log(os.path.join(out_dir, name), state.iter)
-        log.say(f"resumed from {ckpt_dir} at iteration {state.iter} (stage {state.stage}, step {state.stage_iter})")
+        log.say(f"resumed from {ckpt_dir} at iteration {state.iter} (stage {state.stage + 1}/{len(stages)}, step "
+                f"{state.stage_iter})")
     if wandb:
         log.wandb = wandb.init(project=cfg["wandb_project"], name=cfg["wandb_run_name"], config=cfg)
     return Run(model=model, tokenizer=tokenizer, optimizer=optimizer, teacher=teacher, initial_model=initial_model,
@@ -1034,7 +1035,9 @@ def score_and_log_eval_sets(run, cfg, ddp, tag):
         if demos:
             record[f"eval/{name}/teacher_mean@{n}"] = score_across_ranks(run, cfg, ddp, teacher, demos, generators[1])[0][f"mean@{n}"]
     run.log.record(record)
-    run.log.say(f"eval @ iter {state.iter} ({tag}): " + ", ".join(f"{k} mean@{n} {v:.3f}" for k, v in row.items()))
+    taught = {name: record.get(f"eval/{name}/teacher_mean@{n}") for name in row}
+    run.log.say(f"eval @ iter {state.iter} ({tag}): " + ", ".join(
+        f"{k} mean@{n} {v:.3f}" + (f" (teacher {taught[k]:.3f})" if taught[k] is not None else "") for k, v in row.items()))
     return row, lengths
 
 

@@ -34,10 +34,27 @@ def resolve(path):
 
 
 def searched(path):
-    """Where a missing relative path was looked for, for the error message."""
-    if os.path.isabs(path):
-        return path
+    """Where a missing relative path was looked for, for the error message (once, when both are one)."""
+    if os.path.isabs(path) or os.path.abspath(path) == os.path.join(REPO, path):
+        return os.path.abspath(path)
     return f"{os.path.abspath(path)} or {os.path.join(REPO, path)}"
+
+
+def missing_set(data_dir, part, split, path):
+    """The one line for a set whose file is missing: a set not prepared yet names its prepare.py; a name
+    that is no set (a misspelling, the wrong data_dir) lists the sets that are there instead."""
+    head, name = part.split("/")[0], os.path.basename(part)
+    prepare = resolve(os.path.join(data_dir, head, "prepare.py"))
+    parent = resolve(os.path.dirname(os.path.join(data_dir, part)))
+    beside = sorted(n for n in (os.listdir(parent) if os.path.isdir(parent) else ()) if n != name and
+                    any(os.path.exists(os.path.join(parent, n, f)) for f in (f"{split}.jsonl", "prepare.py")))
+    prepared = any(os.path.exists(os.path.join(parent, n, f"{split}.jsonl")) for n in beside)
+    line = f"{path} not found (looked for {searched(path)})"
+    if os.path.exists(prepare) and (part == head or os.path.isdir(resolve(os.path.join(data_dir, part))) or not prepared):
+        return f"{line}: run `python {prepare}` first"
+    if beside:
+        return f"{line}: {os.path.join(data_dir, os.path.dirname(part)).rstrip('/')} has no set {name!r}; it has " + ", ".join(beside)
+    return f"{line}, and there is no {os.path.join(data_dir, head, 'prepare.py')} to make it: check --data_dir and the set's name"
 
 
 def load(name, split, data_dir="data", kinds=(), need_solution=False):
@@ -47,8 +64,7 @@ def load(name, split, data_dir="data", kinds=(), need_solution=False):
     for part in name.split("+"):
         path = resolve(os.path.join(data_dir, part, f"{split}.jsonl"))
         if not os.path.exists(path):
-            prepare = os.path.join(data_dir, part.split("/")[0], "prepare.py")
-            raise UserError(f"{path} not found (looked for {searched(path)}): run `python {prepare}` first")
+            raise UserError(missing_set(data_dir, part, split, path))
         tasks += read_jsonl(path, kinds, need_solution)
     if not tasks:
         raise UserError(f"{name} ({split}) has no tasks: the file is empty; rerun its prepare.py")

@@ -56,11 +56,11 @@ def recorder():
     return said, types.SimpleNamespace(say=said.append)
 
 
-def test_missing_data_names_the_prepare_command(tmp_path):
+def test_a_data_dir_without_the_set_is_one_line_naming_it(tmp_path):
     proc = run_train(f"--data_dir={tmp_path}", "--dataset=toy/add", check=False)
     assert proc.returncode != 0
-    assert "python " in proc.stderr and os.path.join("toy", "prepare.py") in proc.stderr
-    assert "Traceback" not in proc.stderr
+    assert one_line_error(proc).endswith(f"and there is no {tmp_path / 'toy' / 'prepare.py'} to make it: check --data_dir "
+                                         "and the set's name")
 
 
 def test_malformed_jsonl_reports_file_and_line(tmp_path):
@@ -153,7 +153,7 @@ def test_long_prompts_are_left_out_quickly_and_a_context_too_small_is_one_line(t
     proc = run_train(*common, f"--out_dir={tmp_path / 'a'}", "--max_iters=1")
     assert "long: left out 1 of 3 prompts longer than 120 tokens" in proc.stdout
     line = one_line_error(run_train(*common, f"--out_dir={tmp_path / 'b'}", "--block_size=4", check=False))
-    assert "exceeds the model's context of 4 tokens" in line and not (tmp_path / "b").exists()
+    assert "leaves no room for a prompt in the model's context of 4 tokens: lower --max_new_tokens" in line and not (tmp_path / "b").exists()
 
 
 def test_sft_solutions_longer_than_the_context_are_left_out_and_counted(loaded):
@@ -201,7 +201,7 @@ def test_eval_py_leaves_out_prompts_that_do_not_fit_the_model(tiny_model, tmp_pa
     assert "long: left out 1 of 2 prompts longer than 120 tokens" in capsys.readouterr().out
     with open(tmp_path / "eval.json") as f:
         assert json.load(f)["accuracy"]["long"]["n_prompts"] == 1
-    with pytest.raises(UserError, match="max_new_tokens=128 exceeds the model's context of 128 tokens"):
+    with pytest.raises(UserError, match="max_new_tokens=128 leaves no room for a prompt in the model's context of 128 tokens"):
         ev.main(dict(cfg, max_new_tokens=128, out=str(tmp_path / "other.json")))
     assert not (tmp_path / "other.json").exists()
 
@@ -220,6 +220,22 @@ def test_sample_py_leaves_out_prompts_that_do_not_fit_the_model(tiny_model, tmp_
     assert f"{prompts}: left out 1 of 2 prompts longer than 124 tokens" in out and out.count("### ") == 1
     with pytest.raises(UserError, match="prompt: all 1 prompts are longer than 124 tokens: shorten the prompt"):
         sample_main(f"--init_from={tiny_model}", "--prompt=" + "1" * 600, "--max_new_tokens=4", "--device=cpu")
+
+
+def test_sample_py_by_default_caps_responses_at_half_the_context(tiny_model, capsys):
+    """sample.py's default max_new_tokens=0 is half the model's context (64 of this model's 128), so a toy
+    checkpoint samples without a flag; a cap that leaves no room for a prompt is one line naming the flag."""
+    import sample
+    model = models.load_model(str(tiny_model), torch.device("cpu"))[0]
+    assert sample.default_response_cap(model) == 64
+    sample_main(f"--init_from={tiny_model}", "--prompt=1+1", "--temperature=0", "--device=cpu")
+    assert capsys.readouterr().out.startswith("### 1+1\n--> ")
+    with pytest.raises(UserError, match="max_new_tokens=128 leaves no room for a prompt in the model's context of 128 "
+                                        "tokens: lower --max_new_tokens"):
+        sample_main(f"--init_from={tiny_model}", "--prompt=1+1", "--max_new_tokens=128", "--device=cpu")
+    with pytest.raises(UserError, match=r"max_prompt_len=100 \+ max_new_tokens=64 exceeds the model's context of 128 "
+                                        "tokens: lower --max_prompt_len or --max_new_tokens"):
+        models.prompt_budget(model, 64, max_prompt_len=100)
 
 
 def test_characters_the_toy_tokenizer_cannot_encode_are_refused(loaded):
@@ -259,6 +275,31 @@ def test_a_chat_template_that_raises_is_one_line(loaded):
     with pytest.raises(models.ModelError) as e:
         models.fit_tasks([GOOD, system], "s", gemma_like, cap=100)
     assert "System role not supported" in str(e.value) and "[system, user]" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_missing_set_names_its_prepare_py_and_a_misspelt_one_the_sets_there(tmp_path):
+    from data import tasks as task_files
+    data = tmp_path / "data"
+    (data / "fam").mkdir(parents=True)
+    (data / "fam" / "prepare.py").write_text("")
+
+    def line(name, data_dir=str(data)):
+        with pytest.raises(UserError) as e:
+            task_files.load(name, "train", data_dir)
+        assert "\n" not in str(e.value)
+        return str(e.value)
+    assert line("fam/add").endswith(f"run `python {data / 'fam' / 'prepare.py'}` first")  # nothing prepared yet
+    for name in ("add", "mul"):
+        write_jsonl(data / "fam" / name / "train.jsonl", [GOOD])
+    assert line("fam/mull").endswith(f"{data / 'fam'} has no set 'mull'; it has add, mul")
+    assert line("famm").endswith(f"{data} has no set 'famm'; it has fam")
+    assert line("fam/add", str(tmp_path / "elsewhere")).endswith(
+        f"and there is no {tmp_path / 'elsewhere' / 'fam' / 'prepare.py'} to make it: check --data_dir and the set's name")
+
+
+def test_a_mistyped_folder_that_reads_as_a_hub_id_says_there_is_no_such_folder(toy_data, tmp_path):
+    line = one_line_error(run_train("config/grpo_toy.py", "--init_from=out/no_such_base", f"--out_dir={tmp_path}", check=False))
+    assert "cannot load model 'out/no_such_base': no such folder here, and from the hub: " in line
 
 
 def test_missing_model_folder_is_one_clear_error():
@@ -312,7 +353,7 @@ def test_sample_py_checks_records_and_files_as_train_py_does(tmp_path, content, 
 
 
 @pytest.mark.parametrize("args,expect", [
-    (["--max_new_tokens=0"], "max_new_tokens=0 must be >= 1"),
+    (["--max_new_tokens=-1"], "max_new_tokens=-1 must be >= 1 (or 0: half the model's context)"),
     (["--num_samples=0"], "num_samples=0 must be >= 1"),
     (["--prompt_file=EMPTY"], "holds no prompts"),
 ])
@@ -320,7 +361,7 @@ def test_sample_py_bad_input_is_one_line(toy_data, tmp_path, args, expect):
     empty = tmp_path / "empty.txt"
     empty.write_text("\n")
     args = [a.replace("EMPTY", str(empty)) for a in args]
-    if args == ["--max_new_tokens=0"]:  # once through the command line: one line, exit 1
+    if args == ["--max_new_tokens=-1"]:  # once through the command line: one line, exit 1
         proc = subprocess.run([sys.executable, "sample.py", "--init_from=no/model", *args], cwd=ROOT, capture_output=True,
                               text=True, timeout=300)
         assert expect in one_line_error(proc)

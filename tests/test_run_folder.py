@@ -134,7 +134,7 @@ def test_a_fresh_run_into_an_earlier_run_refuses_unless_told_to_overwrite(toy_da
     args = ("config/grpo_toy.py", *TINY, "--init_from=scratch", f"--out_dir={out}", "--max_iters=2", "--device=cpu")
     proc = run_train(*args, check=False)
     assert proc.returncode != 0 and len(proc.stderr.strip().splitlines()) == 1
-    assert "--init_from=resume" in proc.stderr and "--overwrite=True" in proc.stderr
+    assert "--init_from=resume" in proc.stderr and "--overwrite=True" in proc.stderr and "another --out_dir" in proc.stderr
     assert (out / "log.jsonl").read_text().startswith('{"iter": 999') and (out / "stage7_toy_mul").exists()
     proc = run_train(*args, "--overwrite=True")
     assert "removed the earlier run's" in proc.stdout
@@ -335,7 +335,7 @@ def test_resume_continues_exactly(toy_data, tmp_path):
     assert_resume_continues_exactly(common, tmp_path)
 
 
-def test_resume_can_extend_a_finished_run_and_redoes_nothing(finished_run, tmp_path, toy_data):
+def test_resume_can_extend_a_finished_run_and_redoes_nothing(finished_run, tmp_path, toy_data, capsys):
     """max_iters 2 -> 4 on a finished run trains iterations 3 and 4; the log keeps one record per
     iteration (records after the checkpoint -- here fakes -- are dropped); the accuracy matrix
     has one row for the (reopened) stage; an extra stage can follow, its rows as wide as the others."""
@@ -343,6 +343,7 @@ def test_resume_can_extend_a_finished_run_and_redoes_nothing(finished_run, tmp_p
     with open(out / "log.jsonl", "a") as f:
         f.write(json.dumps({"iter": 3, "loss": -1.0}) + "\n" + '{"iter": 4, "lo')  # after the checkpoint, half-written
     train.main(tiny_cfg(toy_data, out, init_from="resume", max_iters=4))
+    assert "at iteration 2 (stage 1/1, step 2)" in capsys.readouterr().out  # stages counted from 1, as the progress lines
     assert [r["iter"] for r in read_log(out) if "loss" in r] == [1, 2, 3, 4]
     assert all(r["loss"] != -1.0 for r in read_log(out) if "loss" in r)
     with open(out / "accuracy_matrix.json") as f:

@@ -121,12 +121,15 @@ def test_teacher_reads_the_same_token_positions_as_the_student(toy_data):
 
 def test_an_sdpo_run_logs_its_teachers_accuracy_and_the_diagnostics(toy_data, tmp_path):
     out = tmp_path / "run"
-    run_train("config/sdpo_toy.py", *TINY, "--init_from=scratch", "--success_threshold=0.0", "--dataset=toy/add",
-              "--distill_agg=seq-mean", "--density=0.5", "--density_select=last", f"--out_dir={out}", "--max_iters=2",
-              "--device=cpu")
+    proc = run_train("config/sdpo_toy.py", *TINY, "--init_from=scratch", "--success_threshold=0.0", "--dataset=toy/add",
+                     "--distill_agg=seq-mean", "--density=0.5", "--density_select=last", f"--out_dir={out}", "--max_iters=2",
+                     "--device=cpu")
     log = read_log(out)
     evals = [r for r in log if "eval_tag" in r]
     assert len(evals) == 2 and all("eval/toy/add/teacher_mean@2" in r and "eval/toy/add/mean@2" in r for r in evals)
+    last = evals[-1]  # the console's eval line shows both
+    assert (f"toy/add mean@2 {last['eval/toy/add/mean@2']:.3f} (teacher {last['eval/toy/add/teacher_mean@2']:.3f})"
+            in proc.stdout)
     steps = [r for r in log if "loss" in r]
     for key in ("ratio_mean", "ratio_max", "clip_frac", "kl_sampler", "entropy", "div", "topk_mass", "sampled_logratio"):
         assert all(key in r for r in steps), key
