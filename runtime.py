@@ -376,7 +376,7 @@ def gathered(*models):
     KL reference during the loss): one all-gather per group on entry, none per forward inside (a generate
     call decodes without any, and ranks may decode different numbers of steps), resharded on exit. A model
     that is not sharded (or None) passes through."""
-    roots = [m for m in models if is_sharded(m)]
+    roots = list({id(m): m for m in models if is_sharded(m)}.values())  # once each (a frozen teacher is the KL reference)
     groups = [g for m in roots for g in m.modules() if isinstance(g, FSDPModule)]
     for group in groups:
         group.unshard()

@@ -14,6 +14,30 @@ from models import adapter_copy, frozen_copy, lm_head, load_model, lora_layers, 
 from runtime import is_sharded, local, shard_like
 
 
+class Kind(NamedTuple):
+    """What a teacher kind holds and reads: the facts that setup, train.py's config checks and the memory
+    estimate ask of it (how it behaves is in Teacher's methods)."""
+    own_copy: bool  # its own weights: made at setup, saved in checkpoints, teacher_init mixed in, sharded under fsdp
+    reads_initial: bool  # reads the initial model (setup keeps a frozen copy of it)
+    reads_student: bool  # reads the student's weights in its forwards (refused under parallel=fsdp: ranks run them unevenly)
+
+
+KINDS = {  # Teacher's table below, as the code reads it; CHOICES["teacher"] in train.py is its keys
+    "frozen": Kind(own_copy=True, reads_initial=True, reads_student=False),
+    "ema": Kind(own_copy=True, reads_initial=False, reads_student=False),
+    "trust_region": Kind(own_copy=False, reads_initial=True, reads_student=True),
+    "live": Kind(own_copy=False, reads_initial=False, reads_student=True),
+}
+
+
+def shares_initial_model(cfg):
+    """Whether the frozen teacher is the initial model itself rather than a copy of it: both are the
+    weights the run started from, neither ever changes, so one copy serves both (the memory of a whole
+    fp32 model) -- unless teacher_init mixes another model into the teacher, or teacher_stage_reset=student
+    makes it a copy of the student at a stage boundary."""
+    return cfg["teacher"] == "frozen" and not cfg["teacher_init"] and cfg["teacher_stage_reset"] != "student"
+
+
 class TeacherLogits(NamedTuple):
     """One model's share of the teacher's logits at a micro-batch's response tokens (no grad): the
     token loss takes the teacher's logits as sum(coef · hidden @ weight.T) over the shares, / T."""
@@ -27,13 +51,14 @@ class Teacher:
     """The SDPO teacher: which weights read the teacher prompt, kept apart from the student.
 
         kind          teacher weights                  after each step              at eval
-        frozen        the initial model (teacher_init)  nothing                      its own copy
+        frozen        the initial model (teacher_init)  nothing                      the teacher
         ema           its own copy                      θ_T ← (1−τ)θ_T + τθ          its own copy
         trust_region  logits (1−μ)·initial + μ·student  nothing (the student moves)  not scored (below)
         live          the student itself                nothing                      the student
 
     τ = μ = teacher_rate. teacher_stage_reset ('student' / 'initial') reloads the own copy at a stage
-    boundary; live and trust_region have none to reload. trust_region is not scored at eval: sampling
+    boundary; live and trust_region have none to reload. The frozen teacher is the initial model itself, one
+    copy for both (shares_initial_model), unless teacher_init or a 'student' reset makes it differ. trust_region is not scored at eval: sampling
     from a logit mixture needs two KV caches in one decode loop, which generate() does not have.
 
     Under LoRA (lora_rank > 0) the teacher shares the student's frozen base, no second model in
@@ -41,16 +66,16 @@ class Teacher:
     initial model and the KL reference), ema the base with its own adapter copy (models.adapter_copy),
     and its update moves only that copy. That EMA averages the factors A and B each on its own, so
     the teacher's B_T·A_T is not quite the average of the student's B·A.
-    Adding a kind: a row here, its lines in the methods below, and its name in CHOICES["teacher"]."""
+    Adding a kind: a row here and in KINDS, and its lines in the methods below."""
     kind: str
     rate: float
-    own: torch.nn.Module = None  # frozen / ema: the teacher's own weights (saved in checkpoints)
+    own: torch.nn.Module = None  # a kind with own_copy (frozen, ema): the teacher's weights (saved in checkpoints)
     initial: torch.nn.Module = None  # trust_region: the initial model, the mixture's (1 − μ) share
 
     @staticmethod
     def needs_initial(kind):
         """Whether the kind reads the initial model (setup keeps a frozen copy of it)."""
-        return kind in ("frozen", "trust_region")
+        return KINDS[kind].reads_initial
 
     @classmethod
     def create(cls, cfg, model, initial_model, load_dev, resume):
@@ -59,9 +84,11 @@ class Teacher:
         if cfg["algo"] != "sdpo":
             return None
         own = None
-        if cfg["teacher"] in ("frozen", "ema") and lora_layers(model):  # (train.py made initial_model the base view)
+        if KINDS[cfg["teacher"]].own_copy and lora_layers(model):  # (train.py made initial_model the base view)
             own = initial_model if cfg["teacher"] == "frozen" else adapter_copy(model)
-        elif cfg["teacher"] in ("frozen", "ema"):
+        elif initial_model is not None and shares_initial_model(cfg):
+            own = initial_model  # (a resumed run loads the checkpoint's teacher into it: the same weights)
+        elif KINDS[cfg["teacher"]].own_copy:
             own = frozen_copy(initial_model if initial_model is not None else model)
             if cfg["teacher_init"] and not resume:
                 # θ_T ← (1 − a)·θ_T + a·θ_init: the EMA update's formula, applied once (shard by shard when sharded)
@@ -86,7 +113,7 @@ class Teacher:
                                  coef * scale)
 
         with torch.no_grad():
-            if self.kind in ("frozen", "ema"):
+            if KINDS[self.kind].own_copy:
                 return [share(self.own, 1.0)]
             if self.kind == "live":
                 return [share(student, 1.0)]
@@ -113,7 +140,7 @@ class Teacher:
 
     def eval_model(self, student):
         """The model scored at eval reading the reference solution (None: this kind is not scored)."""
-        return {"frozen": self.own, "ema": self.own, "live": student}.get(self.kind)
+        return self.own if KINDS[self.kind].own_copy else {"live": student}.get(self.kind)
 
 
 @torch.no_grad()

@@ -90,7 +90,7 @@ from models import (base_view, check_lora_settings, context_length, disable_drop
                     fit_prompt, fit_tasks, frozen_copy, has_chat_template, lm_head, load_model, load_student, pad_batch,
                     prompt_budget, prompt_ids, response_hidden, stop_token_ids, takes_position_ids)
 from runtime import Dist, amp_dtype, fp32_out_mm, full_state_dict, gathered, leave, make_autocast
-from teacher import Teacher
+from teacher import KINDS as TEACHER_KINDS, Teacher
 
 # ----------------------------------------------------------------------------- defaults
 # Every line `name = value  # help` below is a config key: config files and --name=value
@@ -194,7 +194,7 @@ collapse_patience = 3  # unhealthy evals in a row (a set below half its best, or
 # ----------------------------------------------------------------------------- checks
 CHOICES = {
     "algo": ("sft", "grpo", "sdpo"),
-    "teacher": ("frozen", "ema", "trust_region", "live"),
+    "teacher": tuple(TEACHER_KINDS),
     "distill": ("topk", "full", "token"),
     "loss_agg": ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
     "teacher_stage_reset": ("keep", "student", "initial"),
@@ -234,12 +234,13 @@ def check_config(cfg):
     if cfg["distill"] == "token" and cfg["alpha"] != 1:
         raise UserError(f"distill=token estimates the reverse KL (alpha=1) from the sampled token, not alpha={cfg['alpha']}: "
                         "set --alpha=1, or use distill=topk / full")
-    if cfg["teacher_init"] and not (cfg["algo"] == "sdpo" and cfg["teacher"] in ("frozen", "ema")):
-        raise UserError("teacher_init sets the starting weights of a frozen or EMA teacher: it needs algo=sdpo with "
-                        "teacher=frozen or ema (live is the student, trust_region mixes in the initial model)")
-    if cfg["parallel"] == "fsdp" and cfg["algo"] == "sdpo" and cfg["teacher"] in ("live", "trust_region"):
-        raise UserError(f"parallel=fsdp shards a frozen or EMA teacher; teacher={cfg['teacher']} reads the sharded student "
-                        "in forwards that ranks run unevenly: use teacher=ema or frozen, or parallel=ddp")
+    own = [k for k, kind in TEACHER_KINDS.items() if kind.own_copy]  # frozen, ema
+    if cfg["teacher_init"] and not (cfg["algo"] == "sdpo" and TEACHER_KINDS[cfg["teacher"]].own_copy):
+        raise UserError(f"teacher_init sets the starting weights of a teacher with its own copy: it needs algo=sdpo with "
+                        f"teacher={' or '.join(own)} (teacher={cfg['teacher']} has no weights of its own)")
+    if cfg["parallel"] == "fsdp" and cfg["algo"] == "sdpo" and TEACHER_KINDS[cfg["teacher"]].reads_student:
+        raise UserError(f"parallel=fsdp shards a teacher's own copy; teacher={cfg['teacher']} reads the sharded student "
+                        f"in forwards that ranks run unevenly: use teacher={' or '.join(own)}, or parallel=ddp")
     parse_stages(cfg["stages"], cfg["dataset"], cfg["max_iters"])
     check_seed(cfg["seed"])
     check_lora_settings(cfg)  # only when lora_rank > 0: peft, and the settings LoRA refuses

@@ -88,9 +88,9 @@ def test_fsdp_grpo_and_sdpo_steps_equal_one_process_on_the_same_global_batch(toy
     assert result["teacher_init"]["max_diff"] < 1e-6 < result["teacher_init"]["moved"]  # teacher_init, mixed shard by shard
     assert "differs from the loaded model" in result["refused_copy"] and "\n" not in result["refused_copy"]
     gathers = result["all_gathers"]
-    assert gathers["gathered"] == gathers["groups"] == 3  # 2 blocks + the root, once for 8 decode steps
+    assert gathers["gathered"] == gathers["twice"] == gathers["groups"] == 3  # 2 blocks + the root, once for 8 decode steps
     assert gathers["per_step"] > 2 * gathers["groups"]  # (what each decode step would cost without it)
-    assert gathers["gathered_tokens"] == gathers["per_step_tokens"] == [8, 8, 8, 8]
+    assert gathers["gathered_tokens"] == gathers["twice_tokens"] == gathers["per_step_tokens"] == [8, 8, 8, 8]
     mp = result["mixed_precision_and_collapse"]
     assert mp["gathered_dtypes"] == ["torch.bfloat16"] and mp["shard_dtypes"] == ["torch.float32"]
     assert len(mp["collapse"]) == 2 and all("not finite" in (m or "") for m in mp["collapse"])  # rank 1's inf stops both

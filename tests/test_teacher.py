@@ -17,14 +17,36 @@ import train
 
 
 def test_every_teacher_kind_has_a_row_in_the_teachers_table_and_a_model_scored_at_eval():
-    """Adding a kind is one place: Teacher's docstring table and methods (and CHOICES). At eval the
-    frozen / EMA teacher scores its own copy, live the student; trust_region is not scored."""
+    """Adding a kind is one place, teacher.py: a row in Teacher's docstring table and in KINDS (CHOICES is its
+    keys), and its lines in the methods. At eval a kind with its own copy scores that copy (frozen, EMA), live
+    the student; trust_region is not scored."""
     own, student = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
     rows = [line.split()[0] for line in train.Teacher.__doc__.splitlines() if line.startswith("        ")]
-    assert rows[1:] == list(train.CHOICES["teacher"])  # the header row, then one row per kind
-    scored = {kind: train.Teacher(kind, 0.1, own=own if kind in ("frozen", "ema") else None).eval_model(student)
-              for kind in train.CHOICES["teacher"]}
-    assert scored == {"frozen": own, "ema": own, "trust_region": None, "live": student}
+    assert rows[1:] == list(teacher.KINDS) and train.CHOICES["teacher"] == tuple(teacher.KINDS)  # header, then a row a kind
+    scored = {kind: train.Teacher(kind, 0.1, own=own if facts.own_copy else None).eval_model(student)
+              for kind, facts in teacher.KINDS.items()}
+    assert all(scored[kind] is own for kind, facts in teacher.KINDS.items() if facts.own_copy)
+    assert all(model in (own, student, None) for model in scored.values())
+    assert {k: scored[k] for k in ("frozen", "ema", "trust_region", "live")} == {"frozen": own, "ema": own,
+                                                                               "trust_region": None, "live": student}
+
+
+@pytest.mark.parametrize("change,shared", [({}, True), ({"kl_coef": 0.1, "grpo_mix": 1.0}, True),
+                                           ({"teacher_stage_reset": "student"}, False), ({"teacher": "ema"}, False)])
+def test_a_frozen_teacher_is_the_initial_model_itself_unless_it_must_differ(toy_data, tmp_path, change, shared):
+    """One copy serves the frozen teacher and the initial model (the KL reference, a stage reset's target):
+    both are the starting weights and neither changes. A 'student' reset (and teacher_init,
+    test_teacher_init_is_the_teacher) gives the teacher its own copy; an EMA teacher always has one."""
+    cfg = dict(defaults(), algo="sdpo", teacher="frozen", n_layer=1, n_head=2, n_embd=32, block_size=128,
+               out_dir=str(tmp_path / "run"), device="cpu", dataset="toy/add", data_dir=toy_data,
+               tokenizer_path=os.path.join(toy_data, "toy", "tokenizer"))
+    cfg.update(change)
+    with contextlib.ExitStack() as stack:
+        run = train.setup(cfg, runtime.Dist("cpu"), stack)
+        assert (run.teacher.own is run.initial_model) == shared
+        assert run.teacher.own is not run.model and not any(p.requires_grad for p in run.teacher.own.parameters())
+        for a, b in zip(run.teacher.own.parameters(), run.model.parameters()):  # the starting weights, either way
+            assert torch.equal(a, b)
 
 
 def test_teacher_init_is_the_teacher(toy_data, tmp_path):

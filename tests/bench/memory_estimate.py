@@ -18,9 +18,10 @@ longest prompt), --teacher_prompt_tokens (the longest teacher prompt; default: t
 max_new_tokens demonstration + 64 template tokens, at most max_reprompt_len; with use_feedback,
 max_reprompt_len).
 
-Counted: fp32 weights, fp32 grads, AdamW's two fp32 moments, the fp32 teacher copy (SDPO with an
-EMA or frozen teacher) and the initial-model copy (frozen / trust-region teacher, a KL reference,
-teacher_stage_reset='initial') -- the training state, held throughout. On top of it, the largest
+Counted: fp32 weights, fp32 grads, AdamW's two fp32 moments, the fp32 teacher copy (SDPO with a
+teacher of its own weights: EMA, or a frozen one that teacher_init or teacher_stage_reset=student
+makes differ from the initial model) and the initial-model copy (frozen / trust-region teacher, a KL
+reference, teacher_stage_reset='initial') -- the training state, held throughout. On top of it, the largest
 of three phases that never overlap:
   generation  the bf16 KV cache of one generate call (rollout or eval: whole groups, at most
               gen_batch_size rows);
@@ -55,6 +56,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, ROOT)  # as a script: the repo root on sys.path, for train.py and tests.*
 import decoding  # noqa: E402
 import models  # noqa: E402
+import teacher as teacher_module  # noqa: E402
 import train  # noqa: E402
 from configurator import configure  # noqa: E402
 
@@ -160,8 +162,10 @@ def estimate(cfg, model, world_size=1, prompt_tokens=512, teacher_prompt_tokens=
 
     # the training state: what train.main builds
     needs_initial = (algo != "sft" and cfg["kl_coef"] > 0) or (sdpo and (
-        teacher in ("frozen", "trust_region") or cfg["teacher_stage_reset"] == "initial"))
-    copies = int(needs_initial) + int(sdpo and teacher in ("frozen", "ema"))
+        train.Teacher.needs_initial(teacher) or cfg["teacher_stage_reset"] == "initial"))
+    own_teacher = sdpo and train.TEACHER_KINDS[teacher].own_copy  # its own weights, held apart from the initial model's
+    own_copy = own_teacher and not (needs_initial and teacher_module.shares_initial_model(cfg))
+    copies = int(needs_initial) + int(own_copy)
 
     # generation: generate() decodes whole groups, at most gen_batch_size rows (at least one group)
     def rows_per_call(prompts, group):
@@ -220,8 +224,9 @@ def estimate(cfg, model, world_size=1, prompt_tokens=512, teacher_prompt_tokens=
         ("adamw_step", "optimizer step: foreach AdamW's sqrt(v) temporary (fp32)", 4 * n, "optimizer"),
     ]
     if cfg["parallel"] == "fsdp":
+        kl_reference = algo != "sft" and cfg["kl_coef"] > 0  # (the initial model; gathered once when it is the teacher too)
         rows = fsdp_rows(rows, a, n, world_size, sharded_copies=copies, gathered_copies=(
-            int(sdpo and teacher in ("frozen", "ema")) + int(algo != "sft" and cfg["kl_coef"] > 0)))
+            int(own_teacher) + int(kl_reference and (own_copy or not own_teacher))))
     n_adapter = 0
     if cfg["lora_rank"]:
         rows, n_adapter = lora_rows(rows, cfg, model, n, world_size)

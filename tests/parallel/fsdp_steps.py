@@ -127,7 +127,8 @@ def copy_of_a_model_its_config_does_not_rebuild(ddp):
 
 
 def all_gathers(ddp):
-    """How many all-gathers one generate call of 8 tokens costs, gathered once and not."""
+    """How many all-gathers one generate call of 8 tokens costs, gathered once and not, and gathered with the
+    model named twice (a frozen teacher that is also the KL reference)."""
     cfg = config("grpo")
     model, tokenizer = load_model("scratch", CPU, scratch=cfg)
     ddp.shard(model)
@@ -140,9 +141,9 @@ def all_gathers(ddp):
     _fsdp_param_group.foreach_all_gather = counting
     sampling = dict(group_size=2, max_new_tokens=8, temperature=1.0, top_p=1.0, eos_ids=[-1], pad_id=tokenizer.pad_token_id)
     counts = {}
-    for how in ("gathered", "per_step"):
+    for how in ("gathered", "twice", "per_step"):
         calls.clear()
-        with runtime.gathered(model) if how == "gathered" else runtime.gathered():
+        with runtime.gathered(*{"gathered": [model], "twice": [model, model], "per_step": []}[how]):
             batch = train.generate(model, [[5, 6, 7], [8, 9]], generator=train.make_generator(0, CPU), **sampling)
         counts[how] = len(calls)
         counts[f"{how}_tokens"] = [len(r) for r in batch.response_ids]
