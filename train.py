@@ -261,8 +261,7 @@ def load_tasks(name, split, data_dir="data", need_solution=False):
 # The contract: reward(kind, response, answer) -> (score in [0, 1], feedback str or None), never
 # raises, bounded time on any string. `kind` picks the checker; feedback (None on success) is
 # one sentence for the SDPO teacher prompt and never reveals the answer.
-REWARD_FNS = {"math": checkers.check_math, "mcq": checkers.check_mcq, "tool": checkers.check_tool,
-              "exact": checkers.check_exact, "code": checkers.check_code}
+REWARD_FNS = checkers.CHECKS  # kind -> checker: the table in data/checkers.py (a new kind is a line there)
 
 
 def reward(kind, response, answer, math_checker="builtin"):

@@ -9,7 +9,9 @@ Each checker takes (response, answer) and returns (score in [0, 1], feedback str
                merged Action Input objects must equal the reference (as in the SDPO paper's
                ToolAlpaca set); JSON values compare by type (true is not 1)
   check_exact  the stripped content of the last <answer>...</answer> equals the answer (toy suite)
-train.py maps each task's `kind` to one of them (its reward() dispatch).
+  check_code   the last fenced block, run against the answer's unit tests in data/sandbox.py
+CHECKS (at the end) maps each task's `kind` to one of them: train.py's reward() dispatch, and the
+kinds task files may use.
 
 Feedback is None on success, else one sentence for the SDPO teacher prompt; it never reveals the
 reference answer. The checkers take bounded time on any string: they only look at the end of a
@@ -1079,3 +1081,10 @@ def check_batch(kinds, responses, answers, check_one):
         except Exception:  # a bad answer, the pool: each is checked alone below, where errors are handled
             pass
     return [o if o is not None else check_one(k, r, a) for o, k, r, a in zip(out, kinds, responses, answers)]
+
+
+# The answer kinds: a task's `kind` names its checker here. train.py's reward() dispatches through this
+# table and every task file is checked against it (data/tasks.py, data/common.py). A new kind: its
+# check_<kind>(response, answer) above and a line here; final_answer (what eval.py counts as an empty
+# answer) and answer_problem (which reference answers can ever be matched) read a kind's answer shape.
+CHECKS = {"math": check_math, "mcq": check_mcq, "tool": check_tool, "exact": check_exact, "code": check_code}

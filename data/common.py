@@ -19,7 +19,9 @@ import tempfile
 
 from tqdm import tqdm
 
-from data.checkers import answer_problem, answer_text
+from configurator import UserError
+from data import tasks as task_files
+from data.checkers import CHECKS, answer_text
 
 DATA_DIR = os.path.dirname(os.path.abspath(__file__))
 
@@ -211,18 +213,15 @@ def convert(sources, fn, desc, dedup=False):
 
 
 def check_row(row, where):
-    """The schema every training/eval line must satisfy."""
-    ok = (isinstance(row.get("id"), str) and isinstance(row.get("domain"), str)
-          and row.get("kind") in ("math", "mcq", "tool", "exact", "code") and isinstance(row.get("answer"), str)
-          and row["answer"] != "" and isinstance(row.get("messages"), list) and row["messages"]
-          and all(isinstance(m, dict) and m.get("role") in ("system", "user", "assistant")
-                  and isinstance(m.get("content"), str) for m in row["messages"])
-          and row["messages"][-1]["role"] == "user")
-    if not ok:
-        die(f"{where}: converted line does not fit the schema: {json.dumps(row)[:200]}")
-    problem = answer_problem(row["kind"], row["answer"])
-    if problem:
-        die(f"{where}: {problem}")
+    """The schema every training/eval line must satisfy: what train.py checks when it reads the file
+    (data/tasks.py's check, the kinds of data/checkers.py's CHECKS), plus string id, domain and answer."""
+    try:
+        task_files.check(row, where, CHECKS)
+    except UserError as e:
+        die(str(e))
+    odd = next((key for key in ("id", "domain", "answer") if not isinstance(row.get(key), str)), None)
+    if odd:
+        die(f"{where}: {odd} must be a string, not {type(row.get(odd)).__name__} (converted line: {json.dumps(row)[:160]})")
 
 
 def write_splits(out_dir, splits):

@@ -2,7 +2,8 @@
 The task files: data_dir/<name>/{train,test}.jsonl, one task a line, written by data/<name>/prepare.py
 and read (every record checked up front) by train.py, eval.py and sample.py:
 
-    {"id": str, "domain": str, "kind": "math" | "mcq" | "tool" | "exact" | "code", "answer": str,
+    {"id": str, "domain": str, "kind": "math" | "mcq" | "tool" | "exact" | "code" (data/checkers.py's CHECKS),
+     "answer": str,
      "messages": [{"role": "system" | "user" | "assistant", "content": str}, ...], "solution": str (optional)}
 
 `messages` is the prompt (an optional system turn, then the user turn; earlier user / assistant
