@@ -51,15 +51,16 @@ class Teacher:
     """The SDPO teacher: which weights read the teacher prompt, kept apart from the student.
 
         kind          teacher weights                  after each step              at eval
-        frozen        the initial model (teacher_init)  nothing                      the teacher
+        frozen        the initial model (teacher_init)  nothing                      its weights
         ema           its own copy                      θ_T ← (1−τ)θ_T + τθ          its own copy
         trust_region  logits (1−μ)·initial + μ·student  nothing (the student moves)  not scored (below)
         live          the student itself                nothing                      the student
 
     τ = μ = teacher_rate. teacher_stage_reset ('student' / 'initial') reloads the own copy at a stage
-    boundary; live and trust_region have none to reload. The frozen teacher is the initial model itself, one
-    copy for both (shares_initial_model), unless teacher_init or a 'student' reset makes it differ. trust_region is not scored at eval: sampling
-    from a logit mixture needs two KV caches in one decode loop, which generate() does not have.
+    boundary; live and trust_region have none to reload. The frozen teacher is the initial model itself,
+    one copy for both (shares_initial_model), unless teacher_init or a 'student' reset makes it differ.
+    trust_region is not scored at eval: sampling from a logit mixture needs two KV caches in one decode
+    loop, which generate() does not have.
 
     Under LoRA (lora_rank > 0) the teacher shares the student's frozen base, no second model in
     memory: frozen is the base with the adapter off (models.base_view, which is also trust_region's
