@@ -85,10 +85,10 @@ class Teacher:
         if cfg["algo"] != "sdpo":
             return None
         own = None
-        if KINDS[cfg["teacher"]].own_copy and lora_layers(model):  # (train.py made initial_model the base view)
-            own = initial_model if cfg["teacher"] == "frozen" else adapter_copy(model)
-        elif initial_model is not None and shares_initial_model(cfg):
+        if initial_model is not None and shares_initial_model(cfg):  # (under LoRA, the base view)
             own = initial_model  # (a resumed run loads the checkpoint's teacher into it: the same weights)
+        elif KINDS[cfg["teacher"]].own_copy and lora_layers(model):
+            own = adapter_copy(model)
         elif KINDS[cfg["teacher"]].own_copy:
             own = frozen_copy(initial_model if initial_model is not None else model)
             if cfg["teacher_init"] and not resume:

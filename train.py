@@ -973,11 +973,8 @@ def setup(cfg, ddp, stack):
     # on the device (shard_model moves it there a block at a time; its copies are born sharded: frozen_copy)
     param_dtype = amp_dtype(dev, cfg["dtype"])
     ddp.shard(model, param_dtype=param_dtype)
-    # the initial model: KL reference, frozen / trust-region teacher, 'initial' stage reset
-    needs_initial = (cfg["algo"] != "sft" and cfg["kl_coef"] > 0) or (cfg["algo"] == "sdpo" and (
-        Teacher.needs_initial(cfg["teacher"]) or cfg["teacher_stage_reset"] == "initial"))
-    initial_model = None
-    if needs_initial:  # under LoRA the base view: the student with its adapter left out, nothing copied
+    initial_model = None  # the initial model: KL reference, frozen / trust-region teacher, 'initial' stage reset
+    if needs_initial_model(cfg):  # under LoRA the base view: the student with its adapter left out, nothing copied
         initial_model = (base_view(model) if cfg["lora_rank"] else
                          load_model(state.base_init, ddp.load_device, scratch=cfg)[0].eval().requires_grad_(False) if resume
                          else frozen_copy(model))  # a fresh load needs no second copy
@@ -998,6 +995,13 @@ def setup(cfg, ddp, stack):
     return Run(model=model, tokenizer=tokenizer, optimizer=optimizer, teacher=teacher, initial_model=initial_model,
                state=state, stages=stages, eval_names=eval_names, train_tasks=train_tasks, eval_tasks=eval_tasks,
                eval_demos=eval_demos, log=log, ckpt_dir=ckpt_dir)
+
+
+def needs_initial_model(cfg):
+    """Whether the run keeps the initial model: the KL reference, a frozen / trust-region teacher, an
+    'initial' stage reset (tests/bench/memory_estimate.py counts its copy from this too)."""
+    return (cfg["algo"] != "sft" and cfg["kl_coef"] > 0) or (cfg["algo"] == "sdpo" and (
+        Teacher.needs_initial(cfg["teacher"]) or cfg["teacher_stage_reset"] == "initial"))
 
 
 def fit_prompts(train_tasks, eval_tasks, model, tokenizer, cfg, log):

@@ -161,8 +161,7 @@ def estimate(cfg, model, world_size=1, prompt_tokens=512, teacher_prompt_tokens=
     rank_prompts = cfg["batch_prompts"] // world_size
 
     # the training state: what train.main builds
-    needs_initial = (algo != "sft" and cfg["kl_coef"] > 0) or (sdpo and (
-        train.Teacher.needs_initial(teacher) or cfg["teacher_stage_reset"] == "initial"))
+    needs_initial = train.needs_initial_model(cfg)
     own_teacher = sdpo and train.TEACHER_KINDS[teacher].own_copy  # its own weights, held apart from the initial model's
     own_copy = own_teacher and not (needs_initial and teacher_module.shares_initial_model(cfg))
     copies = int(needs_initial) + int(own_copy)
