@@ -45,7 +45,7 @@ class ModelError(UserError):
 
 @contextlib.contextmanager
 def eval_mode(*modules):
-    """Run forwards without grad in eval mode, restoring each submodule's mode after. Rollouts,
+    """Run forwards in eval mode (callers add no_grad), restoring each submodule's mode after. Rollouts,
     evals and teacher forwards need it: in train mode transformers 5.17's gradient-checkpointed
     layers drop the KV cache (past_key_values=None) whatever the grad mode, so a prefill writes
     nothing, and dropout would sample from another policy than the one trained."""

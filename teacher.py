@@ -1,8 +1,8 @@
 """
 The SDPO teacher: whose weights read the teacher prompt (train.py step 4), what logits it gives the
 token loss, how it follows the student, and what eval scores as it. train.py builds the teacher's
-prompt (teacher context); this module owns its weights. Adding a kind: the Teacher below and
-CHOICES["teacher"] in train.py.
+prompt (teacher context); this module owns its weights. Adding a kind: a row in Teacher's table
+and in KINDS below (train.py's CHOICES and checks read KINDS), and its branches in Teacher's methods.
 """
 import itertools
 from dataclasses import dataclass

@@ -11,16 +11,19 @@ research this file serves ("Denser ≠ Better: Limits of On-Policy Self-Distilla
 Post-Training", arXiv 2607.01763): does dense self-distillation learn a new domain faster, and how
 much more does it forget?
 
-One iteration of the loop, in the order the code runs (and the order of this file):
+One iteration of the loop, in the order the code runs (and the order of this file; train_loop()
+near the end drives it: build_batch() does 1-4, loss_backward() 5, optimizer_step() and
+Teacher.after_step() 6):
   1. rollout    sample `batch_prompts` prompts from the current stage's dataset and generate
                 `group_size` responses to each (batched, KV-cached, left-padded prompts; each
-                prompt is prefilled once and its cache shared by its group). The response mask
+                prompt is prefilled once and its cache repeated for its group). The response mask
                 keeps the first EOS and nothing after it. The log-probs under which each token
                 was sampled are recorded: they are the "old" log-probs of the PPO / IS ratios.
   2. reward     reward(kind, response, answer) -> (score in [0,1], feedback or None); the
                 checkers live beside the data, in data/checkers.py.
-  3. advantage  GRPO: A_i = r_i - mean(group), / (std(group)+eps) if norm_adv_std. Groups whose
-                rewards are all equal carry no signal and are dropped from the GRPO loss.
+  3. advantage  GRPO: A_i = r_i - mean(group), / (std(group)+eps) if norm_adv_std. A group whose
+                rewards are all equal has exactly 0 and no signal: its rows are dropped from the
+                GRPO loss (unless kl_coef > 0 still needs them), as is any other row at its mean.
   4. teacher    SDPO: each response gets a demonstration, the first successful peer of its group
                 (never itself with dont_reprompt_on_self_success), and/or the feedback its own
                 attempt received. The teacher reads: original prompt + demonstration (+ feedback)
@@ -167,7 +170,7 @@ feedback_only_without_solution = True  # ...but only when there is no successful
 reprompt_template = "{prompt}{solution}{feedback}\n\nCorrectly solve the original question."  # teacher user turn
 solution_template = "\n\nCorrect solution:\n\n{solution}"  # how the demonstration is shown
 feedback_template = "\n\nThe following is feedback from your unsuccessful earlier attempt:\n\n{feedback}"  # how feedback is shown
-max_reprompt_len = 4096  # teacher prompt tokens; longer ones keep their last max_reprompt_len tokens
+max_reprompt_len = 4096  # teacher prompt tokens (also ≤ context - max_new_tokens); a longer prompt's demonstration is cut from its front
 # SDPO: teacher and divergence
 teacher = "ema"  # 'frozen', 'ema', 'trust_region' or 'live'
 teacher_rate = 0.05  # ema: τ per optimizer step; trust_region: μ, the weight of the current model
@@ -255,31 +258,6 @@ def check_config(cfg):
 def load_tasks(name, split, data_dir="data", need_solution=False):
     """data/tasks.py's load with this file's answer kinds: every record checked, up front."""
     return task_files.load(name, split, data_dir, kinds=REWARD_FNS, need_solution=need_solution)
-
-
-# ----------------------------------------------------------------------------- reward
-# The contract: reward(kind, response, answer) -> (score in [0, 1], feedback str or None), never
-# raises, bounded time on any string. `kind` picks the checker; feedback (None on success) is
-# one sentence for the SDPO teacher prompt and never reveals the answer.
-REWARD_FNS = checkers.CHECKS  # kind -> checker: the table in data/checkers.py (a new kind is a line there)
-
-
-def reward(kind, response, answer, math_checker="builtin"):
-    """(score, feedback) for one response; math_checker='math_verify' checks math with math-verify."""
-    try:
-        check = checkers.check_math_verify if kind == "math" and math_checker == "math_verify" else REWARD_FNS.get(kind)
-        if check is None:
-            return 0.0, f"could not check: unknown answer kind {kind!r}"
-        return check("" if response is None else str(response), checkers.answer_text(answer))
-    except Exception as e:  # RecursionError, MemoryError, ...: a checker must not stop training
-        return 0.0, f"could not check the response ({type(e).__name__})"
-
-
-def rewards_of(tasks, responses, math_checker="builtin"):
-    """[reward(...)] for responses[i] to tasks[i]; "code" responses run together on the sandbox's
-    worker pool (data/sandbox.py: a rollout's programs in parallel, never in this process)."""
-    return checkers.check_batch([t["kind"] for t in tasks], responses, [t["answer"] for t in tasks],
-                                lambda kind, text, answer: reward(kind, text, answer, math_checker))
 
 
 # ----------------------------------------------------------------------------- rollout
@@ -402,6 +380,31 @@ def decode(model, prompts, *, group_size, max_new_tokens, temperature, top_p, eo
                  truncated=[not (r and r[-1] in eos_set) for r in response_ids])
 
 
+# ----------------------------------------------------------------------------- reward
+# The contract: reward(kind, response, answer) -> (score in [0, 1], feedback str or None), never
+# raises, bounded time on any string. `kind` picks the checker; feedback (None on success) is
+# one sentence for the SDPO teacher prompt and never reveals the answer.
+REWARD_FNS = checkers.CHECKS  # kind -> checker: the table in data/checkers.py (a new kind is a line there)
+
+
+def reward(kind, response, answer, math_checker="builtin"):
+    """(score, feedback) for one response; math_checker='math_verify' checks math with math-verify."""
+    try:
+        check = checkers.check_math_verify if kind == "math" and math_checker == "math_verify" else REWARD_FNS.get(kind)
+        if check is None:
+            return 0.0, f"could not check: unknown answer kind {kind!r}"
+        return check("" if response is None else str(response), checkers.answer_text(answer))
+    except Exception as e:  # RecursionError, MemoryError, ...: a checker must not stop training
+        return 0.0, f"could not check the response ({type(e).__name__})"
+
+
+def rewards_of(tasks, responses, math_checker="builtin"):
+    """[reward(...)] for responses[i] to tasks[i]; "code" responses run together on the sandbox's
+    worker pool (data/sandbox.py: a rollout's programs in parallel, never in this process)."""
+    return checkers.check_batch([t["kind"] for t in tasks], responses, [t["answer"] for t in tasks],
+                                lambda kind, text, answer: reward(kind, text, answer, math_checker))
+
+
 # ----------------------------------------------------------------------------- advantages
 def group_advantages(rewards, group_size, norm_std, eps=1e-6):
     """GRPO: reward minus its group's mean (optionally / group std). rewards: [B*G]."""
@@ -409,7 +412,9 @@ def group_advantages(rewards, group_size, norm_std, eps=1e-6):
     adv = r - r.mean(-1, keepdim=True)
     if norm_std:
         adv = adv / (r.std(-1, keepdim=True) + eps)
-    return adv.view(-1)
+    # a group of equal rewards has no signal, but a float mean of partial scores (0.3 × 8) is not
+    # exact: its rounding (÷ a rounding-sized std, with norm_std) would train on noise
+    return adv.masked_fill((r == r[:, :1]).all(-1, keepdim=True), 0.0).view(-1)
 
 
 # ----------------------------------------------------------------------------- teacher context
@@ -442,7 +447,8 @@ def teacher_prompt_text(question, peer, feedback, reprompt_template, solution_te
 
 
 def teacher_contexts(tasks, texts, rewards, feedbacks, group_size, cfg):
-    """Per rollout row: the teacher's chat messages, or None when it has no signal."""
+    """Per rollout row: the teacher's chat messages, or None when it has no signal (build_batch goes on
+    to tokens: template_teacher_prompts fits each prompt to the teacher's length limit)."""
     return [None if x is None else teacher_messages(tasks[i // group_size]["messages"], *x, cfg)
             for i, x in enumerate(teacher_inputs(texts, rewards, feedbacks, group_size, cfg))]
 
@@ -977,7 +983,7 @@ def setup(cfg, ddp, stack):
     if needs_initial_model(cfg):  # under LoRA the base view: the student with its adapter left out, nothing copied
         initial_model = (base_view(model) if cfg["lora_rank"] else
                          load_model(state.base_init, ddp.load_device, scratch=cfg)[0].eval().requires_grad_(False) if resume
-                         else frozen_copy(model))  # a fresh load needs no second copy
+                         else frozen_copy(model))  # resume: reread base_init; fresh: copy the student just loaded
     ddp.shard(initial_model, param_dtype=param_dtype)  # (a resumed run's, loaded on the CPU)
     teacher = Teacher.create(cfg, model, initial_model, ddp.load_device, resume)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg["learning_rate"],  # LoRA: adapters

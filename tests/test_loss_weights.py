@@ -20,6 +20,15 @@ def test_an_advantage_is_the_reward_minus_its_group_mean_and_an_all_equal_group_
     assert adv[4:].abs().max() == 0
 
 
+@pytest.mark.parametrize("norm_std", [False, True])
+def test_a_group_of_equal_partial_scores_has_exactly_no_advantage(norm_std):
+    # partial scores (a code reward's fraction of tests passed) whose float mean is not exact
+    r = torch.tensor([0.3] * 8 + [0.7] * 8 + [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8])
+    adv = train.group_advantages(r, 8, norm_std=norm_std)
+    assert adv[:16].abs().max() == 0  # not 3e-8, nor that ÷ a 1e-8 std
+    assert (adv[16:] != 0).all()
+
+
 def test_the_grpo_term_normalises_by_the_steps_tokens_its_sequences_or_a_constant_length():
     lengths, keep = [2, 4, 3], [True, True, False]
     tm = train.grpo_weights(lengths, keep, "token-mean", 8)
