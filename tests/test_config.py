@@ -25,6 +25,16 @@ def test_help_lists_every_knob_with_a_description():
     assert len(defaults()) >= 60
 
 
+def test_the_help_of_every_knob_with_choices_names_exactly_those_choices():
+    # the help lines are hand-written comments: a new teacher kind (teacher.KINDS) or any other choice must reach them
+    import re
+    import configurator
+    helps = configurator.config_keys(vars(train), train.__file__)
+    for key, choices in train.CHOICES.items():
+        named = set(re.findall(r"'([\w.-]+)'", helps[key]))
+        assert named == set(choices), f"--{key}'s help names {sorted(named)}, CHOICES has {sorted(choices)}"
+
+
 def test_help_into_a_reader_that_stops_early_exits_quietly():
     """`python eval.py --help | head`: the pipe is closed before the help is written; one exit 0, no
     BrokenPipeError traceback."""
