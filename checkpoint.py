@@ -385,6 +385,22 @@ def _link_or_copy(src, dst):
         shutil.copy2(src, dst)
 
 
+def source_note(init):
+    """For a fresh run from another run's checkpoint: which of that run's iterations it holds, and whether
+    that run had more to go (it may still be training: a checkpoint is written at every eval, iteration 0
+    included). None for anything that is not a nanoSDPO checkpoint (a hub model, a plain HF folder)."""
+    try:
+        with open(os.path.join(init, "trainer", "state.json"), encoding="utf-8") as f:
+            state = json.load(f)
+        config, done = state["config"], state["iter"]
+        planned = sum(int(part.rpartition(":")[2]) for part in config["stages"].split(",")) if config["stages"] \
+            else config["max_iters"]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+    return f"init_from {init}: iteration {done} of the {planned} its run planned" + (
+        "" if done >= planned else " (that run stopped early, or is still training)")
+
+
 def read_state(ckpt_dir):
     """trainer/state.json of a checkpoint, every file it needs checked first (one line naming a damaged one)."""
     trainer = os.path.join(ckpt_dir, "trainer")

@@ -233,5 +233,7 @@ def configure(scope, argv, source_file):
                 hint = f" (did you mean {', '.join(close)}?)" if close else " (see --help)"
                 raise SystemExit(f"error: unknown config key '{key}'{hint}")
             value = raw if isinstance(keys[key], str) else literal(raw)  # --out_dir=123 is a string
+            if isinstance(keys[key], bool) and raw.lower() in ("true", "false"):  # --tail=false as --tail=False
+                value = raw.lower() == "true"
             cfg[key] = coerce(key, value, keys[key], arg)
     return cfg

@@ -140,6 +140,25 @@ def decode_weights(model, enabled=True):
             m._parameters[name] = p
 
 
+@contextlib.contextmanager
+def frozen_flags(model, enabled=True):
+    """Within: no parameter of `model` requires grad (each flag restored on exit). Decoding runs under
+    no_grad, so nothing changes but the flag, which dynamo guards on: without this the trained student
+    (its embeddings and norms require grad) and a frozen teacher would each compile the decode step, a
+    minute apiece at 4B. Not for an FSDP-sharded model (FSDP owns its parameters' flags)."""
+    if not enabled or is_sharded(model):
+        yield
+        return
+    trained = [p for p in model.parameters() if p.requires_grad]
+    for p in trained:
+        p.requires_grad_(False)
+    try:
+        yield
+    finally:
+        for p in trained:
+            p.requires_grad_(True)
+
+
 def decode_state_fits(*, allocated, step_extra, total, fill=0.9):
     """Whether the decode state (part of `allocated`, the bytes in use now) may stay alive through a
     train step that last time allocated step_extra bytes above its start: the sum must fit in `fill`
@@ -197,7 +216,14 @@ def static_decoding(model, prefill_cache, mask, max_new_tokens):
     mask = torch.cat([mask, mask.new_ones(rows, length - width)], dim=1)
     cuda = mask.device.type == "cuda"
     if cuda not in _compiled_steps:  # CUDA: capture each step shape once as a CUDA graph
-        _compiled_steps[cuda] = torch.compile(forward_with_cache, mode="reduce-overhead" if cuda else "default")
+        # dynamic=False: a shape's graph (and its kernels' rounding) depends on that shape alone, not on the
+        # shapes this process saw before it, so a resumed run decodes as the uninterrupted one did (with
+        # automatic dynamic shapes the second shape recompiles the step with symbolic sizes, and a resumed
+        # process, which skipped that history, keeps a static graph). A run sees a handful of shapes (bucket,
+        # rows); the recompile limit is raised so that none of them falls back to eager decoding.
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+        _compiled_steps[cuda] = torch.compile(forward_with_cache, mode="reduce-overhead" if cuda else "default",
+                                              dynamic=False)
 
     def step(*args):
         if cuda:  # the previous step's graph outputs are consumed; let the next replay reuse them

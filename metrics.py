@@ -137,19 +137,25 @@ def iteration_record(record, rollout, losses, *, algo, distill, world, global_su
     return record
 
 
-def console_line(stage, record):
-    """The one line printed per iteration."""
-    shown = " | ".join(f"{k} {record[k]:.4g}" for k in ("loss", "reward", "acc", "resp_len", "div") if k in record)
-    return (f"{stage} iter {record['iter']} | {shown} | tok/s {record['tokens'] / record['iter_s']:.0f}"
+def console_line(stage, record, total_iters):
+    """The one line printed per iteration: the signals a run lives on (SDPO: how many tokens had a teacher;
+    any run: the share of responses cut off at max_new_tokens, once there are some)."""
+    keys = ("loss", "reward", "acc", "resp_len", "distill_frac", "div")
+    shown = [f"{k} {record[k]:.4g}" for k in keys if k in record]
+    if record.get("truncated"):
+        shown.append(f"truncated {record['truncated']:.2g}")
+    shown = " | ".join(shown)
+    return (f"{stage} iter {record['iter']}/{total_iters} | {shown} | tok/s {record['tokens'] / record['iter_s']:.0f}"
             + (f" | gen {record['gen_s']:.2f}s" if "gen_s" in record else "") + f" train {record['train_s']:.2f}s")
 
 
-def stuck_warnings(record, counts, algo):
+def stuck_warnings(record, counts, algo, grpo_in_loss=True):
     """The most common silent failure of GRPO / SDPO runs is training on nothing. Count the
-    iterations in a row with each sign of it; return the warnings (cause and knob) due now."""
+    iterations in a row with each sign of it; return the warnings (cause and knob) due now.
+    grpo_in_loss: whether the GRPO term is in the loss (not for SDPO at grpo_mix=0)."""
     signs = {
-        "zero_signal_groups": (record.get("zero_signal_groups") == 1, "every group's rewards were equal, so GRPO had no "
-                               "signal: raise group_size, or use a dataset this model solves sometimes"),
+        "zero_signal_groups": (grpo_in_loss and record.get("zero_signal_groups") == 1, "every group's rewards were equal, "
+                               "so GRPO had no signal: raise group_size, or use a dataset this model solves sometimes"),
         "peer_frac": (algo == "sdpo" and record.get("peer_frac") == 0, "no response had a successful peer, so SDPO "
                       "had no teacher: lower success_threshold, raise group_size, or set use_feedback=True"),
         "truncated": (record.get("truncated") == 1, "every response hit max_new_tokens before an EOS: raise max_new_tokens"),

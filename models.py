@@ -407,10 +407,12 @@ def load_model(init, dev, dtype=torch.float32, scratch=None, with_tokenizer=True
             eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id))
     else:
         if os.path.isdir(init) and not os.path.exists(os.path.join(init, "config.json")):
-            raise ModelError(f"{init} is not a model folder (no config.json): point init_from at a checkpoint folder")
+            inside = os.path.join(init, "ckpt")
+            raise ModelError(f"{init} is not a model folder (no config.json): point init_from at a checkpoint folder"
+                             + (f" ({inside}: a run's latest)" if os.path.exists(os.path.join(inside, "config.json")) else ""))
         if not os.path.isdir(init) and init.count("/") != 1:
             raise ModelError(f"model {init} not found: no such folder, and not a hub id like Qwen/Qwen3-8B "
-                             "(for the toy base: python train.py config/toy_base.py)")
+                             f"({writer_hint(init)})")
         if with_tokenizer and os.path.isdir(init) and not any(os.path.exists(os.path.join(init, f)) for f in TOKENIZER_FILES):
             raise ModelError(f"{init} has no tokenizer files ({', '.join(TOKENIZER_FILES[:3])}, ...): copy them from the "
                              "model it was trained from (tokenizer.save_pretrained) into the folder")
@@ -442,11 +444,25 @@ def load_student(init, dev, cfg):
     return model.to(dev), tokenizer
 
 
+def writer_hint(init):
+    """Which command writes a missing toy checkpoint: out/<name>/ckpt is config/<name>.py's (when it exists)."""
+    parts = os.path.normpath(init).split(os.sep)
+    config = os.path.join(os.path.dirname(os.path.abspath(__file__)), "config", f"{parts[-2]}.py") if len(parts) >= 2 else ""
+    if parts[-1] == "ckpt" and os.path.exists(config):
+        return f"python train.py config/{parts[-2]}.py writes {init}"
+    return "for the toy base: python train.py config/toy_base.py"
+
+
 def enable_grad_checkpointing(model):
     """Recompute each decoder block in the backward instead of keeping its activations. Only
-    forwards with grad recompute: rollouts and teacher forwards (no grad) keep their KV cache."""
+    forwards with grad recompute: rollouts and teacher forwards (no grad) keep their KV cache.
+    transformers also hooks the embeddings to make their output require grad, which reentrant
+    checkpointing needs and its default, non-reentrant one does not; the hook breaks the compiled
+    decode step's graph (dynamo cannot trace requires_grad_ in it), so it is taken off again."""
     enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
     enable()
+    if hasattr(model, "disable_input_require_grads"):
+        model.disable_input_require_grads()
 
 
 def frozen_copy(model):

@@ -1,7 +1,7 @@
 """
 Generate from a checkpoint (or an HF model id) through its chat template.
 
-    python sample.py --init_from=out/grpo_toy/ckpt --prompt="347+85"
+    python sample.py --init_from=out/grpo_toy/ckpt --prompt="75+8"
     python sample.py --init_from=Qwen/Qwen3-4B --prompt_file=prompts.txt --num_samples=4 --temperature=0.6
 
 --prompt_file: one prompt per line (or a data JSONL file: its `messages` are used and each
@@ -18,7 +18,7 @@ from configurator import check_seed, configure
 from data import tasks as task_files
 
 init_from = "out/grpo_toy/ckpt"  # checkpoint folder or HF model id
-prompt = "347+85"  # a single user prompt
+prompt = "75+8"  # a single user prompt
 prompt_file = ""  # a text file (one prompt per line) or a data .jsonl file; overrides prompt
 system = ""  # optional system message
 num_samples = 1  # responses per prompt

@@ -88,7 +88,8 @@ import metrics
 from configurator import UserError, check_seed, check_template, check_values, parse_stages, require
 from metrics import Collapse, accuracy_summary
 from data import checkers, tasks as task_files
-from decoding import StepMemory, decode_weights, forward_with_cache, new_cache, static_decoding, use_static_rollout
+from decoding import (StepMemory, decode_weights, forward_with_cache, frozen_flags, new_cache, static_decoding,
+                      use_static_rollout)
 from models import (base_view, check_lora_settings, context_length, disable_dropout, enable_grad_checkpointing, eval_mode,
                     fit_prompt, fit_tasks, frozen_copy, has_chat_template, lm_head, load_model, load_student, pad_batch,
                     prompt_budget, prompt_ids, response_hidden, stop_token_ids, takes_position_ids)
@@ -320,8 +321,10 @@ def generate(model, prompts, *, group_size, max_rows=0, progress=False, **sampli
     per_call = max(1, max_rows // group_size) if max_rows > 0 else len(prompts)
     starts = range(0, len(prompts), per_call)
     # eval mode: no dropout, and transformers 5.17's checkpointed layers keep the KV cache; the static
-    # (compiled) path reads bf16 copies of the matmul weights instead of casting the fp32 ones every token
-    with eval_mode(model), decode_weights(model, enabled=sampling.get("static", False)):
+    # (compiled) path reads bf16 copies of the matmul weights instead of casting the fp32 ones every token,
+    # and sees no requires_grad flag (student and teacher: one compiled step)
+    static = sampling.get("static", False)
+    with eval_mode(model), frozen_flags(model, enabled=static), decode_weights(model, enabled=static):
         chunks = [decode(model, prompts[i:i + per_call], group_size=group_size, **sampling)
                   for i in tqdm(starts, desc="rollout", disable=None if progress and len(starts) > 1 else True,
                                 leave=False, file=sys.stdout)]
@@ -970,6 +973,9 @@ def setup(cfg, ddp, stack):
     state = checkpoint.TrainState(generator=make_generator(cfg["seed"] + ddp.rank, dev), data_rng=random.Random(cfg["seed"]),
                                   base_init=saved["base_init"] if resume else cfg["init_from"], world=ddp.world,
                                   data=data)
+    note = None if resume else checkpoint.source_note(cfg["init_from"])  # another run's checkpoint: which iteration
+    if note:
+        log.say(note)
     if not has_chat_template(tokenizer):
         log.say(f"note: {cfg['init_from']}'s tokenizer has no chat template: prompts are the messages' text, one per line")
     disable_dropout(model).train()  # dropout off (the RL references' choice): ρ = 1 before any update
@@ -1144,6 +1150,9 @@ def train_loop(run, cfg, ddp):
     # stuck: consecutive iterations per warning (metrics.stuck_warnings); step_memory: the train step's peak (CUDA)
     step_memory, batch, my_tasks, stuck = StepMemory(), None, None, {}
     log_vocab = math.log(model.get_output_embeddings().weight.shape[0])  # the runaway-loss guard's scale
+    if cfg["stages"]:  # the stages name their datasets and iterations: a max_iters or dataset given beside them is unused
+        run.log.say(f"stages {', '.join(f'{n}:{i}' for n, i in run.stages)}: {total_iters} iterations "
+                    f"(with stages set, max_iters={cfg['max_iters']} and dataset={cfg['dataset']} are not used)")
     if state.iter == 0:  # the initial model: the guard's first bests, and ckpt_good until an eval passes
         base = score_and_log_eval_sets(run, cfg, ddp, "start")[0]
         state.accuracy_matrix = {"eval_sets": run.eval_names, "stages": [], "rows": [], "base": base}
@@ -1191,8 +1200,9 @@ def train_loop(run, cfg, ddp):
                                      world=ddp.world, global_sum=ddp.global_sum,
                                      ratio_max=max(ddp.gather(loss_metrics["ratio_max"])))
             run.log.record(record)
-            run.log.say(metrics.console_line(stage_desc, record))
-            for warning in metrics.stuck_warnings(record, stuck, cfg["algo"]):
+            run.log.say(metrics.console_line(stage_desc, record, total_iters))
+            grpo_in_loss = cfg["algo"] == "grpo" or (cfg["algo"] == "sdpo" and cfg["grpo_mix"] > 0)
+            for warning in metrics.stuck_warnings(record, stuck, cfg["algo"], grpo_in_loss=grpo_in_loss):
                 run.log.say(warning)
             # periodic eval (the collapse guard) and checkpoint; the end of a stage has its own
             last, passed = state.stage_iter == iters, None

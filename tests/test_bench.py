@@ -85,7 +85,7 @@ def test_memory_estimate_counts_the_static_cache_the_weight_copies_and_what_stay
     """The paper-scale run (sdpo_math.py, Qwen3-4B): a bf16 static cache of gen_batch_size rows at the
     bucketed length, bf16 weight copies in both phases (the decode weights; autocast's, saved for the
     backward), and the decode state (that cache + the decode weights) freed before the train step on an
-    H200 (it does not fit beside it) but kept on a GPU twice that size."""
+    H200 (it does not fit beside it) but kept on a GPU twice that size, through the optimizer step too."""
     out = estimate(capsys)
     rows, kv = out["rows_gb"], 36 * 2 * 8 * 128 * 2  # layers x (K, V) x kv heads x head dim x bf16
     assert rows["kv_generate"] == round(32 * 5120 * kv / 1e9, 2)  # 512 + 4096 tokens, bucketed to 5120
@@ -94,6 +94,10 @@ def test_memory_estimate_counts_the_static_cache_the_weight_copies_and_what_stay
     big = estimate(capsys, "--gpu_gb=282")
     assert big["decode_state_kept"]
     assert big["rows_gb"]["decode_state_kept"] == pytest.approx(rows["kv_generate"] + rows["autocast_gen"], abs=0.011)
+    # kept, it is there through the optimizer step too (StepMemory measures the two as one step)
+    assert big["rows_gb"]["decode_state_kept_opt"] == big["rows_gb"]["decode_state_kept"]
+    assert big["phases_gb"]["optimizer"] == pytest.approx(big["rows_gb"]["adamw_step"] + big["rows_gb"]["decode_state_kept"],
+                                                          abs=0.011)
 
 
 SMALL_GPU = ["--gpu_gb=24", "--init_from=Qwen/Qwen3-0.6B", "--gen_batch_size=32", "--micro_batch_size=8"]  # the files' 0.6B lines
@@ -165,6 +169,31 @@ def test_the_device_session_script_brings_back_the_table_json_console_and_logs(t
     assert sorted(os.listdir(out)) == ["console_d.log", "gpu_check_d.json", "gpu_check_d.md", "logs_d.tgz"]
     assert json.loads((out / "console_d.log").read_text().strip().splitlines()[-1])["correctness_ok"]
     assert "| sec | check | status | numbers |" in (out / "gpu_check_d.md").read_text()
+
+
+def test_gpu_check_stopped_by_its_time_limit_still_writes_what_ran_and_stops_its_train_runs(toy_data, tmp_path):
+    """gpu_session.sh stops gpu_check with SIGINT before the device's per-command limit would kill it whole:
+    the table and JSON are still written (the section that was running an error, so the exit is 1), and
+    the train.py run it had started is stopped, not left on the GPU."""
+    import signal
+    import time
+    proc = subprocess.Popen([sys.executable, "tests/bench/gpu_check.py", "--cpu", "--only=e,d", f"--out={tmp_path}"],
+                            cwd=ROOT, stdout=subprocess.PIPE, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    for line in proc.stdout:
+        if line.startswith("[e] train.py"):  # section e has just started its train.py run
+            break
+    time.sleep(2)  # (the child may still be starting: it is killed either way)
+    proc.send_signal(signal.SIGINT)
+    rest = proc.stdout.read()
+    assert proc.wait(timeout=120) == 1, rest[-3000:]
+    out = json.loads(rest.strip().splitlines()[-1])
+    assert "interrupted" in out["errors"]["e"] and out["sections"] == ["e", "d"] and "d" not in out["seconds"]
+    assert not out["correctness_ok"] and "sections not run: d" in rest
+    assert "interrupted" in (tmp_path / "gpu_check_ed.md").read_text()
+    time.sleep(1)
+    still = [pid for pid in os.listdir("/proc") if pid.isdigit() and str(tmp_path).encode() in
+             open(f"/proc/{pid}/cmdline", "rb").read()] if os.path.isdir("/proc") else []
+    assert not still, "the train.py run outlived gpu_check"
 
 
 def test_gpu_check_runs_every_section_in_cpu_mode(toy_data, tmp_path):

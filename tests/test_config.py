@@ -65,7 +65,7 @@ def test_type_mismatch_names_the_key():
         assert key in configure_error(arg), arg
 
 
-def test_int_accepted_for_float_and_words_are_strings():
+def test_int_accepted_for_float_words_are_strings_and_true_false_are_bools():
     from configurator import configure
     scope = {"lr": 0.1, "name": "x", "flag": False}
     src = os.path.join(ROOT, "tests", "_cfg_src.py")
@@ -73,9 +73,11 @@ def test_int_accepted_for_float_and_words_are_strings():
         f.write("lr = 0.1  # learning rate\nname = 'x'  # a name\nflag = False  # a flag\n")
     try:
         cfg = configure(scope, ["--lr=1", "--name=out/run1", "--flag=True"], src)
+        lower = [configure(scope, [f"--flag={word}"], src)["flag"] for word in ("true", "false", "TRUE")]
     finally:
         os.remove(src)
     assert cfg == {"lr": 1.0, "name": "out/run1", "flag": True} and type(cfg["lr"]) is float
+    assert lower == [True, False, True]  # a bool as the shell spells it
     assert scope == {"lr": 0.1, "name": "x", "flag": False}  # the script's globals stay its defaults
 
 

@@ -186,3 +186,17 @@ def test_nothing_is_learning_is_said_once_per_episode():
     for _ in range(metrics.STUCK_ITERS):
         said += metrics.stuck_warnings({"truncated": 1.0}, counts, "grpo")
     assert len(said) == 1 and "max_new_tokens" in said[0]
+    counts, said = {}, []
+    for _ in range(metrics.STUCK_ITERS):  # SDPO at grpo_mix=0: no GRPO term to lack a signal
+        said += metrics.stuck_warnings(stuck, counts, "sdpo", grpo_in_loss=False)
+    assert len(said) == 1 and "success_threshold" in said[0]
+
+
+def test_the_console_line_shows_progress_the_distilled_share_and_cut_off_responses():
+    record = dict(iter=4, loss=0.5, reward=0.25, acc=0.25, resp_len=21.9, distill_frac=0.31, truncated=0.59, div=0.02,
+                  tokens=1000, iter_s=2.0, train_s=1.0)
+    line = metrics.console_line("toy/sort", record, 60)
+    assert line.startswith("toy/sort iter 4/60 | ") and "distill_frac 0.31" in line and "truncated 0.59" in line
+    assert "truncated" not in metrics.console_line("toy/sort", dict(record, truncated=0.0), 60)
+    sft = {k: record[k] for k in ("iter", "loss", "tokens", "iter_s", "train_s")}  # SFT logs no rollout signals
+    assert metrics.console_line("toy/add", sft, 60).startswith("toy/add iter 4/60 | loss 0.5 | tok/s 500")

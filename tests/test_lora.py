@@ -275,7 +275,7 @@ def test_lora_models_and_their_views_decode_on_the_static_cache_as_on_the_dynami
     teacher's adapter copy), with the base in bf16 under autocast as on a GPU: the same tokens and
     log-probs as the dynamic-cache loop."""
     real_compile = torch.compile
-    monkeypatch.setattr(torch, "compile", lambda fn, mode=None: real_compile(fn, backend="eager"))
+    monkeypatch.setattr(torch, "compile", lambda fn, mode=None, **kw: real_compile(fn, backend="eager", **kw))
     model, _ = models.load_model(base_dir, torch.device("cpu"))
     models.apply_lora(model, rank=4, alpha=8.0, targets="all-linear", base_dtype=torch.bfloat16)
     with torch.no_grad():

@@ -171,7 +171,7 @@ def test_a_sliding_window_model_decodes_on_the_dynamic_cache_when_static_is_aske
     """Built from the config, a sliding-window layer's prefill cache keeps only the window, which a
     StaticCache cannot continue from: static=True then decodes on the dynamic cache, the same rows."""
     real_compile = torch.compile
-    monkeypatch.setattr(torch, "compile", lambda fn, mode=None: real_compile(fn, backend="eager"))
+    monkeypatch.setattr(torch, "compile", lambda fn, mode=None, **kw: real_compile(fn, backend="eager", **kw))
     monkeypatch.setattr(decoding, "_compiled_steps", {})
     monkeypatch.setattr(decoding, "_static_caches", {})
     model = build("mistral")

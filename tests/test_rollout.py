@@ -14,8 +14,27 @@ import train
 def eager_compile(monkeypatch):
     """torch.compile through the eager backend (dynamo traces the step, no minutes of CPU codegen)."""
     real_compile = torch.compile
-    monkeypatch.setattr(torch, "compile", lambda fn, mode=None: real_compile(fn, backend="eager"))
+    monkeypatch.setattr(torch, "compile", lambda fn, mode=None, **kw: real_compile(fn, backend="eager", **kw))
     monkeypatch.setattr(decoding, "_compiled_steps", {})
+
+
+def recording_compile(monkeypatch):
+    """torch.compile through a backend that keeps each graph dynamo hands it and runs it as traced
+    (like the eager backend: no code generation); returns the list of graphs."""
+    real_compile, graphs = torch.compile, []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+    torch._dynamo.reset()  # no compiled entries of earlier tests on the step's code
+    monkeypatch.setattr(torch, "compile", lambda fn, mode=None, **kw: real_compile(fn, backend=backend, **kw))
+    monkeypatch.setattr(decoding, "_compiled_steps", {})
+    return graphs
+
+
+def has_symbolic_sizes(graph):
+    return any(isinstance(d, torch.SymInt) for n in graph.graph.nodes if n.op == "placeholder"
+               for d in getattr(n.meta.get("example_value"), "shape", ()))
 
 
 def test_response_mask_keeps_first_eos_once_and_nothing_after():
@@ -122,6 +141,30 @@ def test_a_rollout_with_grad_checkpointing_samples_what_the_model_without_it_sam
     torch.testing.assert_close(shared[1], shared[0], atol=1e-5, rtol=1e-5)
     assert checkpointed.training and all(m.training for m in checkpointed.modules()), "train mode restored"
     assert not plain.training
+
+
+def test_the_decode_step_compiles_one_static_graph_per_shape_whatever_ran_before(monkeypatch):
+    """Each compile of a 4B decode step costs about a minute, and its kernels set the rounding: so one graph
+    a shape, the same in every process. Grad checkpointing's input hook (transformers 5.17 broke the graph
+    in two there) and the trained student beside a frozen teacher (requires_grad, which dynamo guards on)
+    add none; a new shape gets a graph of its own sizes, not the symbolic one dynamo's automatic dynamic
+    shapes would make of the second shape, which a resumed process, skipping that history, never built."""
+    graphs = recording_compile(monkeypatch)
+    student = tiny_qwen2(vocab=96)
+    student.train()
+    models.enable_grad_checkpointing(student)
+    teacher = models.frozen_copy(student)
+
+    def rollout(model, group_size):
+        train.generate(model, [[1, 4, 5], [8, 9]], group_size=group_size, max_new_tokens=6, temperature=1.0, top_p=1.0,
+                       eos_ids=[2], pad_id=0, generator=torch.Generator().manual_seed(5), static=True)
+        return len(graphs)
+
+    assert rollout(student, 2) == 1, "grad checkpointing split the decode step's graph"
+    assert rollout(teacher, 2) == 1 and rollout(student, 2) == 1, "student and teacher compiled the step apart"
+    assert rollout(student, 4) == 2 and rollout(student, 3) == 3  # 8 rows, then 6: each shape its own graph
+    assert not any(has_symbolic_sizes(g) for g in graphs)
+    assert all(p.requires_grad for p in student.parameters()) and not any(p.requires_grad for p in teacher.parameters())
 
 
 def test_eval_mode_restores_every_submodules_own_mode():

@@ -514,3 +514,17 @@ def test_eval_reads_a_damaged_run_file_as_one_line(finished_run, tmp_path, damag
     with pytest.raises(train.UserError) as e:
         ev.main(eval_cfg(run_dir=str(run)))
     assert str(target) in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_run_started_from_another_runs_checkpoint_says_which_iteration_it_holds(finished_run, tmp_path, capsys):
+    """A checkpoint is written at every eval, iteration 0 included: a run started from a base that is still
+    training (or stopped early) would otherwise start, silently, from a half-trained or random model."""
+    train.main(tiny_cfg(None, tmp_path / "next", init_from=str(finished_run / "ckpt"), max_iters=1))
+    assert f"init_from {finished_run / 'ckpt'}: iteration 2 of the 2 its run planned\n" in capsys.readouterr().out
+    early = copy_of(finished_run / "ckpt", tmp_path)
+    state = json.loads((early / "trainer" / "state.json").read_text())
+    state.update(iter=0, config=dict(state["config"], stages="toy/add:1000,toy/context:150"))
+    (early / "trainer" / "state.json").write_text(json.dumps(state))
+    assert checkpoint.source_note(str(early)) == (f"init_from {early}: iteration 0 of the 1150 its run planned (that run "
+                                                 "stopped early, or is still training)")
+    assert checkpoint.source_note("Qwen/Qwen3-8B") is None and checkpoint.source_note(str(tmp_path / "next")) is None

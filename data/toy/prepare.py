@@ -4,7 +4,7 @@ plus a character-level HF tokenizer with a chat template. Nothing is downloaded.
 
     python data/toy/prepare.py            # writes data/toy/<domain>/{train,test}.jsonl + data/toy/tokenizer/
 
-Prompts are terse ("347+85", "sort dbca") to keep sequences short on a CPU; each domain's answer
+Prompts are terse ("75+8", "sort dbca") to keep sequences short on a CPU; each domain's answer
 format is learned from its SFT data. Domains (distance from `add`, the usual first stage):
     add   a+b, 2-digit + 1-digit         \\boxed{}             -- the reference domain
     sub   a-b, 2-digit - 1-digit         \\boxed{}             -- near: same format, sibling skill

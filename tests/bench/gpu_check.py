@@ -1,7 +1,7 @@
 """One command for a GPU machine: is nanoSDPO correct on CUDA, does it train there, and how fast is it.
 
     python tests/bench/gpu_check.py --only=a,c,d --out=runs/gc   # one GPU, the first command (<= 4 min on an H200)
-    python tests/bench/gpu_check.py --only=b,e --out=runs/gc     # the second command (~4.5 min)
+    python tests/bench/gpu_check.py --only=b,e --out=runs/gc     # the second command (~5 min)
     python tests/bench/gpu_check.py --cpu          # the same code paths at tiny sizes on the CPU (tests/test_bench.py)
     bash tests/bench/gpu_session.sh a,c,d          # on a machine without network: installs the carried .whl/ (Liger,
                                                    # tests/bench/gpu_wheels.sh), runs one command, gathers $OUT
@@ -56,8 +56,11 @@ printed seconds tell): a ~1.7 min (three small compiles in this process while th
 short train.py runs with their compiles, go on beside them), c ~1 min (the fp32 naive at the main
 size is the slow column), d ~1.3 min (the 0.6B static compile, ~50 s, then 3 x 3 engines x 256 rows
 x 128 tokens): `--only=a,c,d` ~4 min; b ~2.5 min (three train.py runs, each compiling its decode
-step; SFT 250 iterations, GRPO and SDPO 20), e ~2 min (the 4B static compile, ~65 s, then 2 iterations of
-32 rows x 512 tokens): `--only=b,e` ~4.5 min. ~8.5 min in all, plus each command's start.
+step; SFT 250 iterations, GRPO and SDPO 20), e ~2.5 min (two 4B static compiles, ~65 s each: the student
+eval's cache length, then the teacher eval's longer one, which the rollouts reuse; then 2 iterations of
+32 rows x 512 tokens): `--only=b,e` ~5 min. ~9 min in all, plus each command's start. gpu_session.sh
+stops a command at 540 s (GPU_CHECK_LIMIT) with SIGINT: the train.py runs are stopped, and the table
+and JSON of what ran are still written (the interrupted section an error).
 """
 import sys
 
@@ -71,7 +74,7 @@ if __name__ == "__main__" and len(sys.argv) > 1 and sys.argv[1] == "--train":
     import torch
     if "--eager-compile" in flags:
         real_compile = torch.compile
-        torch.compile = lambda fn, mode=None, **kw: real_compile(fn, backend="eager")
+        torch.compile = lambda fn, mode=None, **kw: real_compile(fn, backend="eager", **kw)
     if "--deterministic" in flags:
         torch.use_deterministic_algorithms(True, warn_only=True)
         if hasattr(torch.utils, "deterministic"):  # no NaN-filling of torch.empty: a plain run's kernels, minus the atomics
@@ -94,7 +97,14 @@ if __name__ == "__main__" and len(sys.argv) > 1 and sys.argv[1] == "--train":
                 free()
                 frees.append([held, before - torch.cuda.memory_allocated()])
             decoding.free_decode_state = measured_free
-            atexit.register(lambda: print(f'{{"cuda_peak_bytes": {torch.cuda.max_memory_allocated()}, '
+            # StepMemory resets the peak counter before every train step: the run's peak is the largest seen
+            peaks, reset = [], torch.cuda.reset_peak_memory_stats
+
+            def measured_reset(*a, **k):
+                peaks.append(torch.cuda.max_memory_allocated())
+                reset(*a, **k)
+            torch.cuda.reset_peak_memory_stats = measured_reset
+            atexit.register(lambda: print(f'{{"cuda_peak_bytes": {max(peaks + [torch.cuda.max_memory_allocated()])}, '
                                           f'"decode_state_frees": {frees}}}', flush=True))  # ints: JSON as printed
     sys.argv = [os.path.join(root, "train.py"), *args]
     runpy.run_path(sys.argv[0], run_name="__main__")
@@ -140,6 +150,7 @@ class Check:
         self.dev = torch.device("cpu" if args.cpu else "cuda")
         self.out = args.out
         self.rows, self.errors, self.seconds = [], {}, {}
+        self.children, self.current = [], None  # the train.py runs started; the section running
         self.lock = threading.RLock()
         self.stdout = sys.stdout  # the real one: section c captures bench_loss's prints through a redirect
 
@@ -202,7 +213,7 @@ def reset_compile():
 def eager_compile():
     """torch.compile -> backend="eager" in this process (tests/test_rollout.py's way)."""
     real = torch.compile
-    torch.compile = lambda fn, mode=None, **kw: real(fn, backend="eager")
+    torch.compile = lambda fn, mode=None, **kw: real(fn, backend="eager", **kw)
 
 
 # ============================================================================= a: correctness
@@ -356,6 +367,7 @@ def start_train(C, tag, args, wrapper=(), env=None):
         env.setdefault("OMP_NUM_THREADS", "1")
     with open(log + ".out", "w") as out, open(log + ".err", "w") as err:
         proc = subprocess.Popen(train_cmd(C, args, wrapper), cwd=ROOT, stdout=out, stderr=err, env=env)
+    C.children.append(proc)
     return proc, log, time.perf_counter()
 
 
@@ -391,7 +403,7 @@ def start_resume(C):
     wrapper = cpu_wrapper(C) if C.cpu else ("--deterministic",)
     env = {"OMP_NUM_THREADS": "1"} if C.cpu else {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
     full = start_train(C, "resume_full", [*common, f"--out_dir={base}/full", "--max_iters=6"], wrapper, env)
-    split = start_train(C, "resume_split", [*common, f"--out_dir={base}/split", "--max_iters=6", "--save_interval=3",
+    split = start_train(C, "resume_split", [*common, f"--out_dir={base}/split", "--save_interval=3",
                                             "--stages=toy/add:3"], wrapper, env)  # 3 iterations, a checkpoint ...
     return dict(base=base, common=common, wrapper=wrapper, env=env, full=full, split=split)
 
@@ -402,7 +414,7 @@ def finish_resume(C, runs):
         base = runs["base"]
         finish_train(C, runs["full"])
         finish_train(C, runs["split"])
-        finish_train(C, start_train(C, "resume_resume", [*runs["common"], f"--out_dir={base}/split", "--max_iters=6",
+        finish_train(C, start_train(C, "resume_resume", [*runs["common"], f"--out_dir={base}/split",
                                                          "--init_from=resume", "--stages=toy/add:3,toy/add:3"],
                                     runs["wrapper"], runs["env"]))  # ... then 3 more in a new process
         a = [r for r in read_log(f"{base}/full") if "loss" in r]
@@ -778,6 +790,7 @@ def main(argv=None):
 
     def run_section(s):
         t0 = time.perf_counter()
+        C.current = s
         C.say(s, f"== {s}: {SECTIONS[s]}")
         try:
             fns[s](C)
@@ -794,11 +807,18 @@ def main(argv=None):
     thread = threading.Thread(target=run_section, args=("b",)) if background else None
     if thread:
         thread.start()
-    for s in only:
-        if not (thread and s == "b"):
-            run_section(s)
-    if thread:
-        thread.join()
+    try:
+        for s in only:
+            if not (thread and s == "b"):
+                run_section(s)
+        if thread:
+            thread.join()
+    except KeyboardInterrupt:  # SIGINT: gpu_session.sh's time limit; what ran is still written out below
+        for proc in C.children:
+            proc.kill()
+        C.errors[C.current] = "interrupted (SIGINT: gpu_session.sh's time limit) in this section"
+        C.say(C.current, f"FAIL {C.errors[C.current]}; sections not run: "
+              f"{', '.join(s for s in only if s not in C.seconds and s != C.current) or 'none'}")
     total = round(time.perf_counter() - t_start, 1)
 
     order = {s: i for i, s in enumerate(SECTIONS)}

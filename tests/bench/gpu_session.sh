@@ -6,7 +6,7 @@
 #   bash tests/bench/gpu_session.sh d --cpu    # more arguments go to gpu_check.py (--cpu: tests this script)
 # Installs the carried wheels (.whl/, if any) without the index, runs tests/bench/gpu_check.py into a
 # scratch folder, and copies into $OUT (default runs/gc) its table, its JSON, the console log and the
-# train.py runs' logs as one archive. Exits with gpu_check's code.
+# train.py runs' logs as one archive. Exits with gpu_check's code. GPU_CHECK_LIMIT (540 s): gpu_check's time.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 sections=${1:?usage: gpu_session.sh SECTIONS (a,c,d or b,e) [gpu_check.py arguments]}
@@ -19,7 +19,10 @@ if compgen -G ".whl/*.whl" >/dev/null; then
 fi
 scratch=$(mktemp -d /tmp/gpu_check_XXXX)
 tag=${sections//,/}
-PYTHONUNBUFFERED=1 python3 tests/bench/gpu_check.py --only="$sections" --out="$scratch" "$@" 2>&1 | tee "$out/console_$tag.log"
+# a time limit below the device's 600 s per command: on SIGINT gpu_check stops its train.py runs and still
+# writes the table and JSON of what ran, and the copies below still happen
+PYTHONUNBUFFERED=1 timeout -s INT -k 30 "${GPU_CHECK_LIMIT:-540}" \
+    python3 tests/bench/gpu_check.py --only="$sections" --out="$scratch" "$@" 2>&1 | tee "$out/console_$tag.log"
 rc=${PIPESTATUS[0]}
 cp "$scratch"/gpu_check_*.md "$scratch"/gpu_check_*.json "$out"/ 2>/dev/null
 tar -czf "$out/logs_$tag.tgz" -C "$scratch" logs 2>/dev/null

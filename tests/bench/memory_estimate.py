@@ -230,16 +230,20 @@ def estimate(cfg, model, world_size=1, prompt_tokens=512, teacher_prompt_tokens=
     if cfg["lora_rank"]:
         rows, n_adapter = lora_rows(rows, cfg, model, n, world_size)
     # the decode state (the rollout's static cache and the decode weights, decoding.decode_weights) stays
-    # through the train step only where it fits (decoding.StepMemory); fsdp keeps no decode weights
+    # through the train step and the optimizer step after it only where it fits beside the larger of the
+    # two (decoding.StepMemory measures both as one); fsdp keeps no decode weights
     phases = {p: sum(b for _, _, b, q in rows if q == p) for p in ("state", "generation", "train step", "optimizer")}
     decode_copies = 0 if cfg["parallel"] == "fsdp" or not train_rows else next(b for k, _, b, _ in rows if k == "autocast_gen")
     decode_state = train_rows * cache_len * kv_per_token + decode_copies
-    kept = phases["state"] + phases["train step"] + decode_state <= SLACK * gpu_bytes
+    kept = phases["state"] + max(phases["train step"], phases["optimizer"]) + decode_state <= SLACK * gpu_bytes
+    where = (f"kept (fits in {SLACK:.0%} of {gpu_bytes / GB:.0f} GB)" if kept else
+             f"freed before the step (does not fit in {SLACK:.0%} of {gpu_bytes / GB:.0f} GB beside it)")
     rows.insert(-1, ("decode_state_kept", "the decode state (the rollout's static KV cache + the decode weights) beside "
-                     "the train step: " + (f"kept (fits in {SLACK:.0%} of {gpu_bytes / GB:.0f} GB)" if kept else
-                                            f"freed before the step (does not fit in {SLACK:.0%} of {gpu_bytes / GB:.0f} GB beside it)"),
-                     decode_state if kept else 0, "train step"))
+                     "the train step: " + where, decode_state if kept else 0, "train step"))
+    rows.append(("decode_state_kept_opt", "the decode state beside the optimizer step: " + where.split(" (")[0],
+                 decode_state if kept else 0, "optimizer"))
     phases["train step"] += decode_state if kept else 0
+    phases["optimizer"] += decode_state if kept else 0
     peak = phases["state"] + max(phases["generation"], phases["train step"], phases["optimizer"])
     peak = max(peak, sum(b for _, _, b, q in rows if q == "load"))  # fsdp: a model whole, before it is sharded
     summary = dict(params=n, lora_params=n_adapter, kv_per_token=kv_per_token, gen_rows=gen_rows, micro_rows=micro, decode_state_kept=kept,
