@@ -172,18 +172,20 @@ def test_the_device_session_script_brings_back_the_table_json_console_and_logs(t
 
 
 def test_gpu_check_stopped_by_its_time_limit_still_writes_what_ran_and_stops_its_train_runs(toy_data, tmp_path):
-    """gpu_session.sh stops gpu_check with SIGINT before the device's per-command limit would kill it whole:
-    the table and JSON are still written (the section that was running an error, so the exit is 1), and
-    the train.py run it had started is stopped, not left on the GPU."""
+    """gpu_session.sh stops gpu_check (timeout's SIGTERM) before the device's per-command limit would kill it
+    whole: the table and JSON are still written (the section that was running an error, so the exit is 1),
+    and the train.py run it had started is stopped, not left on the GPU. Started with SIGINT ignored, as a
+    background job is: gpu_check sets its own handlers."""
     import signal
     import time
     proc = subprocess.Popen([sys.executable, "tests/bench/gpu_check.py", "--cpu", "--only=e,d", f"--out={tmp_path}"],
-                            cwd=ROOT, stdout=subprocess.PIPE, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+                            cwd=ROOT, stdout=subprocess.PIPE, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"),
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     for line in proc.stdout:
         if line.startswith("[e] train.py"):  # section e has just started its train.py run
             break
     time.sleep(2)  # (the child may still be starting: it is killed either way)
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(signal.SIGTERM)
     rest = proc.stdout.read()
     assert proc.wait(timeout=120) == 1, rest[-3000:]
     out = json.loads(rest.strip().splitlines()[-1])

@@ -59,7 +59,7 @@ x 128 tokens): `--only=a,c,d` ~4 min; b ~2.5 min (three train.py runs, each comp
 step; SFT 250 iterations, GRPO and SDPO 20), e ~2.5 min (two 4B static compiles, ~65 s each: the student
 eval's cache length, then the teacher eval's longer one, which the rollouts reuse; then 2 iterations of
 32 rows x 512 tokens): `--only=b,e` ~5 min. ~9 min in all, plus each command's start. gpu_session.sh
-stops a command at 540 s (GPU_CHECK_LIMIT) with SIGINT: the train.py runs are stopped, and the table
+stops a command at 540 s (GPU_CHECK_LIMIT) with SIGTERM: the train.py runs are stopped, and the table
 and JSON of what ran are still written (the interrupted section an error).
 """
 import sys
@@ -114,6 +114,7 @@ import argparse  # noqa: E402
 import contextlib  # noqa: E402
 import io  # noqa: E402
 import json  # noqa: E402
+import signal  # noqa: E402
 import traceback  # noqa: E402
 import math  # noqa: E402
 import os  # noqa: E402
@@ -773,6 +774,10 @@ def main(argv=None):
         subprocess.run([sys.executable, os.path.join(ROOT, "data", "toy", "prepare.py")], cwd=ROOT, check=True,
                        stdout=subprocess.DEVNULL)
     C = Check(args)
+    # gpu_session.sh's time limit: SIGTERM (or SIGINT) ends the sections but not the report. Set here, not inherited:
+    # a process started in the background (a non-interactive shell's `&`, a pytest-xdist worker) ignores SIGINT
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.default_int_handler)
     if args.cpu:
         eager_compile()
     try:
@@ -813,10 +818,10 @@ def main(argv=None):
                 run_section(s)
         if thread:
             thread.join()
-    except KeyboardInterrupt:  # SIGINT: gpu_session.sh's time limit; what ran is still written out below
+    except KeyboardInterrupt:  # SIGTERM / SIGINT: gpu_session.sh's time limit; what ran is still written out below
         for proc in C.children:
             proc.kill()
-        C.errors[C.current] = "interrupted (SIGINT: gpu_session.sh's time limit) in this section"
+        C.errors[C.current] = "interrupted (a signal: gpu_session.sh's time limit) in this section"
         C.say(C.current, f"FAIL {C.errors[C.current]}; sections not run: "
               f"{', '.join(s for s in only if s not in C.seconds and s != C.current) or 'none'}")
     total = round(time.perf_counter() - t_start, 1)

@@ -19,9 +19,9 @@ if compgen -G ".whl/*.whl" >/dev/null; then
 fi
 scratch=$(mktemp -d /tmp/gpu_check_XXXX)
 tag=${sections//,/}
-# a time limit below the device's 600 s per command: on SIGINT gpu_check stops its train.py runs and still
-# writes the table and JSON of what ran, and the copies below still happen
-PYTHONUNBUFFERED=1 timeout -s INT -k 30 "${GPU_CHECK_LIMIT:-540}" \
+# a time limit below the device's 600 s per command: on timeout's SIGTERM gpu_check stops its train.py runs
+# and still writes the table and JSON of what ran, and the copies below still happen
+PYTHONUNBUFFERED=1 timeout -k 30 "${GPU_CHECK_LIMIT:-540}" \
     python3 tests/bench/gpu_check.py --only="$sections" --out="$scratch" "$@" 2>&1 | tee "$out/console_$tag.log"
 rc=${PIPESTATUS[0]}
 cp "$scratch"/gpu_check_*.md "$scratch"/gpu_check_*.json "$out"/ 2>/dev/null
