@@ -50,7 +50,7 @@ from safetensors.torch import load_file, load_model, save_file, save_model
 
 import metrics
 import runtime
-from configurator import UserError
+from configurator import UserError, parse_stages
 from models import adapter_tensors, base_fingerprint, lora_layers, merged_state_dict
 
 RUN_OUTPUTS = r"log\.jsonl|samples\.jsonl|accuracy_matrix\.json|ckpt(_good)?(\.tmp|\.old)?|stage\d+_.+|eval(_\w+)?\.(json|md|png)"
@@ -393,9 +393,8 @@ def source_note(init):
         with open(os.path.join(init, "trainer", "state.json"), encoding="utf-8") as f:
             state = json.load(f)
         config, done = state["config"], state["iter"]
-        planned = sum(int(part.rpartition(":")[2]) for part in config["stages"].split(",")) if config["stages"] \
-            else config["max_iters"]
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        planned = sum(iters for _, iters in parse_stages(config["stages"], config["dataset"], config["max_iters"]))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, UserError):
         return None
     return f"init_from {init}: iteration {done} of the {planned} its run planned" + (
         "" if done >= planned else " (that run stopped early, or is still training)")

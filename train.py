@@ -1150,6 +1150,7 @@ def train_loop(run, cfg, ddp):
     # stuck: consecutive iterations per warning (metrics.stuck_warnings); step_memory: the train step's peak (CUDA)
     step_memory, batch, my_tasks, stuck = StepMemory(), None, None, {}
     log_vocab = math.log(model.get_output_embeddings().weight.shape[0])  # the runaway-loss guard's scale
+    grpo_in_loss = cfg["algo"] == "grpo" or (cfg["algo"] == "sdpo" and cfg["grpo_mix"] > 0)  # for the stuck warnings
     if cfg["stages"]:  # the stages name their datasets and iterations: a max_iters or dataset given beside them is unused
         run.log.say(f"stages {', '.join(f'{n}:{i}' for n, i in run.stages)}: {total_iters} iterations "
                     f"(with stages set, max_iters={cfg['max_iters']} and dataset={cfg['dataset']} are not used)")
@@ -1201,7 +1202,6 @@ def train_loop(run, cfg, ddp):
                                      ratio_max=max(ddp.gather(loss_metrics["ratio_max"])))
             run.log.record(record)
             run.log.say(metrics.console_line(stage_desc, record, total_iters))
-            grpo_in_loss = cfg["algo"] == "grpo" or (cfg["algo"] == "sdpo" and cfg["grpo_mix"] > 0)
             for warning in metrics.stuck_warnings(record, stuck, cfg["algo"], grpo_in_loss=grpo_in_loss):
                 run.log.say(warning)
             # periodic eval (the collapse guard) and checkpoint; the end of a stage has its own
