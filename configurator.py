@@ -13,7 +13,8 @@ named _x, so that a typo'd key holding a list is not mistaken for one). Every ba
 unknown key, a wrong type, nan/inf, a config file that is missing, unreadable, has a syntax
 error, raises or calls sys.exit -- exits with one line naming the key or file:line, before any
 work is done.
-`--help` lists every key with its default and the comment beside it.
+`--help` lists every key with its value and the comment beside it: the default, or what the config
+files and overrides before or after it make it (`python train.py config/sdpo_math.py --help`).
 """
 import ast
 import difflib
@@ -205,21 +206,33 @@ def settings_in_file(path, current):
     return out
 
 
+def print_help(keys, cfg, helps, source_file, given):
+    """Every key with the value this command line gives it (the default without config files or
+    overrides) and its help; a key the arguments changed is marked *, with its default after it."""
+    width = max(map(len, keys))
+    changed = [k for k in keys if cfg[k] != keys[k] or type(cfg[k]) is not type(keys[k])]
+    lines = [f"usage: python {source_file.rsplit('/', 1)[-1]} [config/file.py ...] [--key=value ...]"]
+    if given:
+        lines.append(f"values after {' '.join(given)} ({len(changed)} changed, marked *)")
+    lines.append("")
+    for k in keys:
+        mark, note = ("*", f" (default {keys[k]!r})") if k in changed else (" ", "")
+        lines.append(f" {mark}--{k:<{width}} = {cfg[k]!r:<24} {helps[k]}{note}")
+    try:
+        print("\n".join(lines), flush=True)
+    except BrokenPipeError:  # `--help | head`: the reader has what it wanted
+        sys.stdout = None  # nothing left to flush at exit (which would raise again)
+
+
 def configure(scope, argv, source_file):
     """The config a run uses: the defaults in `scope` (a script's globals; never written to), then
-    the config files and --key=value overrides in `argv`, in order -> {key: value}."""
+    the config files and --key=value overrides in `argv`, in order -> {key: value}. With --help (or
+    -h) anywhere: the keys with the values the other arguments give them, then exit 0."""
     helps = config_keys(scope, source_file)
     keys = {k: scope[k] for k in helps}
     cfg = dict(keys)
-    if "--help" in argv or "-h" in argv:
-        width = max(map(len, keys))
-        lines = [f"usage: python {source_file.rsplit('/', 1)[-1]} [config/file.py ...] [--key=value ...]\n",
-                 *(f"  --{k:<{width}} = {v!r:<24} {helps[k]}" for k, v in keys.items())]
-        try:
-            print("\n".join(lines), flush=True)
-        except BrokenPipeError:  # `--help | head`: the reader has what it wanted
-            sys.stdout = None  # nothing left to flush at exit (which would raise again)
-        raise SystemExit(0)
+    wants_help = "--help" in argv or "-h" in argv
+    argv = [a for a in argv if a not in ("--help", "-h")]
     for arg in argv:
         if not arg.startswith("--"):
             for k, v in settings_in_file(arg, dict(cfg)).items():  # a config file may read the current values
@@ -236,4 +249,7 @@ def configure(scope, argv, source_file):
             if isinstance(keys[key], bool) and raw.lower() in ("true", "false"):  # --tail=false as --tail=False
                 value = raw.lower() == "true"
             cfg[key] = coerce(key, value, keys[key], arg)
+    if wants_help:
+        print_help(keys, cfg, helps, source_file, argv)
+        raise SystemExit(0)
     return cfg

@@ -71,6 +71,7 @@ def main(cfg):
                              cap=models.prompt_budget(model, max_new_tokens)[0], enable_thinking=cfg["enable_thinking"],
                              fix="shorten the prompt or lower max_new_tokens (or use a model with a longer context)")
     generator = train.make_generator(cfg["seed"], dev)
+    rewards = []  # of the scored responses (a data .jsonl file's), for the mean at the end
     for task in tasks:
         messages = task["messages"]
         ids = train.prompt_ids(tokenizer, messages, cfg["enable_thinking"])
@@ -80,8 +81,13 @@ def main(cfg):
                              generator=generator)
         print(f"### {messages[-1]['content']}")
         for text in tokenizer.batch_decode(out.response_ids, skip_special_tokens=True):
-            score = f"  [reward {train.reward(task['kind'], text, task['answer'])[0]:.0f}]" if "kind" in task else ""
+            score = ""
+            if "kind" in task:
+                rewards.append(train.reward(task["kind"], text, task["answer"])[0])
+                score = f"  [reward {rewards[-1]:.3g}]"  # a code task's reward is the fraction of its tests passed
             print(f"--> {text}{score}")
+    if rewards:
+        print(f"mean reward {sum(rewards) / len(rewards):.3f} over {len(rewards)} responses to {len(tasks)} prompts")
 
 
 if __name__ == "__main__":

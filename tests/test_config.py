@@ -35,6 +35,26 @@ def test_the_help_of_every_knob_with_choices_names_exactly_those_choices():
         assert named == set(choices), f"--{key}'s help names {sorted(named)}, CHOICES has {sorted(choices)}"
 
 
+def test_help_after_a_config_file_shows_the_values_it_and_the_overrides_give(capsys):
+    """`python train.py config/sdpo_toy.py --density=0.5 --help`: each key with the value this run would
+    use; the keys changed from the default are marked *, with the default beside them."""
+    from configurator import configure
+    with pytest.raises(SystemExit) as e:
+        configure(dict(vars(train)), ["config/sdpo_toy.py", "--help", "--density=0.5"], train.__file__)
+    assert e.value.code == 0
+    lines = {l.split("=")[0].strip(): l for l in capsys.readouterr().out.splitlines() if "--" in l[:4]}
+    run = configure(dict(vars(train)), ["config/sdpo_toy.py", "--density=0.5"], train.__file__)
+    for key, line in lines.items():
+        name = key.lstrip("*").strip()[2:]
+        assert line.split("=", 1)[1].split()[0] == repr(run[name]).split()[0], line  # the run's value
+        assert key.startswith("*") == (run[name] != defaults()[name]), line
+        if key.startswith("*"):
+            assert line.endswith(f"(default {defaults()[name]!r})"), line
+    assert lines["*--density"].split("=", 1)[1].split()[0] == "0.5" and lines["*--algo"].split()[2] == "'sdpo'"
+    assert "--overwrite" in lines and "*--out_dir" in lines  # unchanged: no mark; the config's out_dir: marked
+    assert len(lines) == len(defaults())
+
+
 def test_help_into_a_reader_that_stops_early_exits_quietly():
     """`python eval.py --help | head`: the pipe is closed before the help is written; one exit 0, no
     BrokenPipeError traceback."""

@@ -2,6 +2,7 @@
 format artifacts, the report and its user errors; sample.py at temperature 0."""
 import math
 import os
+import re
 
 import pytest
 import torch
@@ -348,3 +349,23 @@ def test_sample_py_greedy_at_temperature_zero(finished_run, capsys):
         return [line for line in capsys.readouterr().out.splitlines() if line.startswith("-->")]
     first = sample(1)
     assert len(first) == 2 and first[0] == first[1] and sample(2) == first  # greedy: no randomness
+
+
+def test_sample_py_on_a_data_file_prints_each_reward_and_their_mean(finished_run, toy_data, tmp_path, capsys):
+    """A data .jsonl file's responses are scored with train.reward: each line shows its reward, and the
+    last line is their mean, over every response of every prompt."""
+    import sample as sample_py
+    from configurator import configure
+    with open(os.path.join(toy_data, "toy", "add", "test.jsonl")) as f:
+        records = [f.readline() for _ in range(3)]
+    prompts = tmp_path / "three.jsonl"
+    prompts.write_text("".join(records))
+    sample_py.main(configure(dict(vars(sample_py)), [f"--init_from={finished_run / 'ckpt'}", f"--prompt_file={prompts}",
+                                                     "--num_samples=4", "--max_new_tokens=8", "--temperature=1.0",
+                                                     "--device=cpu"], sample_py.__file__))
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    shown = [float(r) for r in re.findall(r"  \[reward ([0-9.e+-]+)\]\n", out)]  # a response may span lines
+    assert sum(line.startswith("--> ") for line in lines) == len(shown) == 12
+    mean = re.fullmatch(r"mean reward ([0-9.]+) over 12 responses to 3 prompts", lines[-1])
+    assert mean and float(mean.group(1)) == pytest.approx(sum(shown) / 12, abs=5e-4), lines[-1]
