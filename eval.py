@@ -694,7 +694,9 @@ def markdown(report):
     acc = report["accuracy"]
     if acc:
         keys = list(next(iter(acc.values()))["model"])
-        lines += ["## Accuracy (model / base / delta)", "", "| set | prompts | " + " | ".join(keys) + " |",
+        lines += ["## Accuracy (model / base / delta)", "", "Both scored by this eval, with the settings above "
+                  "(the accuracy matrix below is train.py's own evals).", "",
+                  "| set | prompts | " + " | ".join(keys) + " |",
                   "|---|---|" + "---|" * len(keys)]
         for name, a in list(acc.items()) + [("**average**", report["accuracy_avg"])]:
             cells = [f"{_f(a['model'][kk])} / {_f((a.get('base') or {}).get(kk))} / {_f((a.get('delta') or {}).get(kk))}"
@@ -705,6 +707,8 @@ def markdown(report):
     if c:
         sets = c["eval_sets"]
         lines += ["## Continual (accuracy matrix: row = after stage, column = eval set)", "",
+                  "As train.py scored it during the run (out_dir/accuracy_matrix.json: its eval_n, eval_max_prompts "
+                  "and eval sampling): the base row is its iteration-0 eval, another sample than the base above.", "",
                   "| after | " + " | ".join(sets) + " |", "|---|" + "---|" * len(sets)]
         if c.get("base"):
             lines.append("| base | " + " | ".join(_f(c["base"].get(s)) for s in sets) + " |")
@@ -758,20 +762,23 @@ def markdown(report):
     curve = report.get("stage_drift")
     if curve:
         sets = list(curve[0]["response"] or curve[0]["artifacts"])
-        lines += ["## Drift per stage snapshot", "", "| stage | param drift | NSS L/R | max angle L/R (°) | σ change | " +
-                  " | ".join(f"MMD² {s} | sim {s} | foreign {s} | loop {s} | empty {s}" for s in sets) + " |",
-                  "|---|---|---|---|---|" + "---|---|---|---|---|" * len(sets)]
+        lines += ["## Drift per stage snapshot", "", "| stage | param drift | NSS L/R | max angle L/R (°) | σ change |",
+                  "|---|---|---|---|---|"]
         for st in curve:
-            cells = []
-            for s in sets:
-                r, a = st["response"].get(s, {}), st["artifacts"].get(s, {})
-                cells += [_f(r.get("mmd2"), 4), _f(r.get("text_similarity")), _f(a.get("foreign_format")),
-                          _f(a.get("repetition")), _f(a.get("empty_answer"))]
             sp = (st.get("spectral") or {}).get("overall") or {}
             lines.append(f"| {st['stage']}: {st['name']} | {_f((st['param'] or {}).get('overall'), 4)} | "
                          f"{_f(sp.get('nss_left'), 5)} / {_f(sp.get('nss_right'), 5)} | "
                          f"{_f(sp.get('max_angle_left'))} / {_f(sp.get('max_angle_right'))} | "
-                         f"{_f(sp.get('sv_change'), 4)} | " + " | ".join(cells) + " |")
+                         f"{_f(sp.get('sv_change'), 4)} |")
+        # the per-set numbers: one small table per measure (rows: stages, columns: eval sets), not one 5 x sets wide
+        for title, part, key, digits in (("response drift MMD² vs base", "response", "mmd2", 4),
+                                         ("text similarity to the base's responses", "response", "text_similarity", 3),
+                                         ("foreign answer format", "artifacts", "foreign_format", 3),
+                                         ("repetition", "artifacts", "repetition", 3),
+                                         ("empty answer", "artifacts", "empty_answer", 3)):
+            lines += ["", f"{title}:", "", "| stage | " + " | ".join(sets) + " |", "|---|" + "---|" * len(sets)]
+            lines += [f"| {st['stage']}: {st['name']} | " + " | ".join(_f(st[part].get(s, {}).get(key), digits) for s in sets)
+                      + " |" for st in curve]
         lines.append("")
     return "\n".join(lines)
 

@@ -14,6 +14,12 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+
+def pytest_configure(config):
+    # the ranks tier: tests that start two torchrun ranks (DDP, FSDP, LoRA, a rank that dies), a third of the
+    # suite's CPU time; README's test command leaves them out (-m "not ranks"), .ci/run runs them after it
+    config.addinivalue_line("markers", "ranks: starts several torchrun ranks (the ranks tier: pytest -m ranks)")
+
 # a model small enough that a few iterations take seconds on a 2-core CPU
 # torchrun as this interpreter runs it (a `torchrun` on PATH may belong to another python and its torch)
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
@@ -62,6 +68,47 @@ def run_train(*args, check=True, env=None):
     if check and proc.returncode != 0:
         raise AssertionError(f"train.py {' '.join(args)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     return proc
+
+
+def run_train_here(*args, env=None):
+    """`python train.py args...` in this process: train.py's __main__ block (runpy), with the argv, working
+    directory and environment run_train's subprocess gets, restored after. Returns a CompletedProcess with
+    the exit code and what the block printed, as run_train(check=False) does, without the ~7 s of an
+    interpreter importing torch and transformers. For the bad-input checks, which stop before any work
+    (test_config.py::test_unknown_key_names_it runs the real command line)."""
+    import contextlib
+    import io
+    import runpy
+    import traceback
+    from huggingface_hub import constants as hub
+    out, err = io.StringIO(), io.StringIO()
+    saved = (sys.argv, os.getcwd(), dict(os.environ), torch.get_num_threads(), torch.random.get_rng_state(),
+             hub.HF_HUB_OFFLINE)
+    sys.argv = ["train.py", *args]
+    os.chdir(ROOT)
+    os.environ.update({"HF_HUB_OFFLINE": "1", **(env or {})})
+    hub.HF_HUB_OFFLINE = True  # the hub library read the variable at its import: no hub retries here either
+    code = 0
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                runpy.run_path(os.path.join(ROOT, "train.py"), run_name="__main__")
+            except SystemExit as e:  # as the interpreter ends: sys.exit("text") prints it and exits 1
+                if isinstance(e.code, str):
+                    print(e.code, file=sys.stderr)
+                code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+            except BaseException:  # an uncaught exception: its traceback, exit 1
+                traceback.print_exc()
+                code = 1
+    finally:
+        sys.argv = saved[0]
+        os.chdir(saved[1])
+        os.environ.clear()
+        os.environ.update(saved[2])
+        torch.set_num_threads(saved[3])
+        torch.random.set_rng_state(saved[4])
+        hub.HF_HUB_OFFLINE = saved[5]
+    return subprocess.CompletedProcess(["train.py", *args], code, out.getvalue(), err.getvalue())
 
 
 def read_log(out_dir):

@@ -259,14 +259,43 @@ def test_every_script_path_the_docs_and_scripts_name_exists():
     assert missing == [], missing
 
 
+# each script as `python <script> --help` would run it, one after another in one interpreter (one torch import,
+# not five): before each, the repo's modules are forgotten and sys.path is the interpreter's own with the
+# script's folder first, so a script without its own repo-root insert fails as it would alone
+RUN_AS_SCRIPTS = """
+import os, runpy, sys
+root, scripts = sys.argv[1], sys.argv[2:]
+base = [p for p in sys.path if p not in ("", os.getcwd())]
+for script in scripts:
+    for name, module in list(sys.modules.items()):
+        where = [getattr(module, "__file__", None)]
+        try:
+            where += list(getattr(module, "__path__", []))  # a package's folders (tests/ is a namespace package)
+        except TypeError:  # a torch namespace object that is not a list of folders
+            pass
+        if any(isinstance(w, str) and w.startswith(root + os.sep) for w in where):
+            del sys.modules[name]
+    sys.path[:] = [os.path.dirname(script), *base]
+    sys.argv = [script, "--help"]
+    print("=== " + script, flush=True)
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit as e:
+        assert e.code in (0, None), (script, e.code)
+"""
+
+
 def test_the_scripts_that_import_a_sibling_run_as_scripts_from_any_folder(tmp_path):
     """`python tests/experiments/sort_fade.py` imports `tests.experiments.miniature` (and gpu_check.py
     `tests.bench.bench_loss`) through the one repo-root insert, wherever it is started from."""
-    for script in ("tests/experiments/miniature.py", "tests/experiments/sort_fade.py",
-                   "tests/experiments/teacher_track.py", "tests/experiments/spectral_runs.py", "tests/bench/gpu_check.py"):
-        proc = subprocess.run([sys.executable, os.path.join(ROOT, script), "--help"], cwd=tmp_path,
-                              capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
-        assert proc.returncode == 0 and "usage:" in proc.stdout, (script, proc.stderr[-2000:])
+    scripts = [os.path.join(ROOT, s) for s in (
+        "tests/experiments/miniature.py", "tests/experiments/sort_fade.py", "tests/experiments/teacher_track.py",
+        "tests/experiments/spectral_runs.py", "tests/bench/gpu_check.py")]
+    proc = subprocess.run([sys.executable, "-c", RUN_AS_SCRIPTS, ROOT, *scripts], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    helps = proc.stdout.split("=== ")[1:]
+    assert [h.split("\n", 1)[0] for h in helps] == scripts and all("usage:" in h for h in helps), proc.stdout[-2000:]
 
 
 def test_every_test_the_docs_cite_by_name_exists():

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT, TINY, cli_cfg, defaults, run_train
+from conftest import ROOT, TINY, cli_cfg, defaults, run_train, run_train_here
 
 import train
 
@@ -150,7 +150,7 @@ def test_syntax_error_in_a_config_file_names_file_and_line(tmp_path):
 def test_syntax_error_through_the_command_line(tmp_path):
     bad = tmp_path / "bad.py"
     bad.write_text("density = 0.5\nalpha = = 1\n")
-    proc = run_train(str(bad), check=False)
+    proc = run_train_here(str(bad))
     assert proc.returncode != 0
     assert proc.stderr.strip().splitlines() == [proc.stderr.strip()], proc.stderr
     assert proc.stderr.startswith(f"error: {bad}:2: invalid syntax"), proc.stderr
@@ -171,7 +171,7 @@ def test_exception_in_a_config_file_names_file_line_and_type(tmp_path):
 def test_exception_in_a_config_file_through_the_command_line(tmp_path):
     bad = tmp_path / "raises.py"
     bad.write_text("density = 0.5\nalpha = density / 0\n")
-    proc = run_train(str(bad), check=False)
+    proc = run_train_here(str(bad))
     assert proc.returncode != 0 and "Traceback" not in proc.stderr
     assert proc.stderr.strip() == f"error: {bad}:2: ZeroDivisionError: float division by zero", proc.stderr
 
@@ -209,7 +209,7 @@ def test_non_finite_floats_are_refused_on_the_command_line():
 
 
 def test_non_finite_float_through_the_command_line():
-    proc = run_train("--learning_rate=1e400", check=False)
+    proc = run_train_here("--learning_rate=1e400")
     assert proc.returncode != 0
     assert proc.stderr.strip().splitlines() == [proc.stderr.strip()], proc.stderr
     assert "learning_rate" in proc.stderr and "finite number" in proc.stderr
@@ -258,7 +258,7 @@ def test_a_config_file_that_exits_or_is_interrupted_is_one_line_and_a_failure(tm
     assert message == f"error: {path}:1: KeyboardInterrupt"
     bad = tmp_path / "exits.py"
     bad.write_text("import sys\nsys.exit(0)\n")
-    proc = run_train(str(bad), check=False)
+    proc = run_train_here(str(bad))
     assert proc.returncode != 0 and proc.stderr.strip().splitlines() == [proc.stderr.strip()], proc.stderr
 
 
@@ -281,7 +281,7 @@ def test_a_seed_outside_0_to_2_62_is_one_line_in_every_entry_point(seed):
     with pytest.raises(train.UserError, match=f"seed={seed}"):
         sample.main({"seed": seed})
     if seed == 2 ** 64:  # once through the command line
-        proc = run_train(f"--seed={seed}", check=False)
+        proc = run_train_here(f"--seed={seed}")
         assert proc.returncode != 0 and proc.stderr.strip().splitlines() == [proc.stderr.strip()], proc.stderr
     train.check_config(dict(defaults(), seed=2 ** 62))
 
@@ -309,7 +309,7 @@ def test_every_template_is_tried_at_check_time(key, template, expect):
 ])
 def test_knobs_that_would_do_nothing_are_refused_in_one_line(args, expect):
     if args[1] == "--kl_coef=0.1":  # once through the command line: one line, exit 1
-        proc = run_train("config/sdpo_toy.py", *TINY, "--init_from=scratch", *args, check=False)
+        proc = run_train_here("config/sdpo_toy.py", *TINY, "--init_from=scratch", *args)
         assert proc.returncode != 0 and proc.stderr.strip().splitlines() == [proc.stderr.strip()]
         assert expect in proc.stderr
     from configurator import configure
@@ -327,7 +327,6 @@ def test_a_patience_of_zero_is_refused_at_the_config_check(tmp_path):
 
 def test_dtype_float16_is_refused_in_one_line(tmp_path):
     """fp16 without loss scaling flushes the per-token gradients (~1e-9) to zero in the fused loss."""
-    from conftest import run_train
-    proc = run_train("config/grpo_toy.py", "--dtype=float16", f"--out_dir={tmp_path / 'out'}", check=False)
+    proc = run_train_here("config/grpo_toy.py", "--dtype=float16", f"--out_dir={tmp_path / 'out'}")
     assert proc.returncode != 0 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     assert "dtype=float16" in proc.stderr and "bfloat16" in proc.stderr and not (tmp_path / "out").exists()

@@ -114,6 +114,8 @@ def test_two_stage_run_then_eval(toy_data, tmp_path):
     for heading in ("## Accuracy", "## Continual", "## Parameter drift", "## Spectral drift", "## Response drift",
                     "## Format artifacts", "## Drift per stage snapshot"):
         assert heading in md
+    # two base scores (eval.py's sample and train.py's iteration-0 eval): each table says which it shows
+    assert "Both scored by this eval" in md and "the base row is its iteration-0 eval" in md
     assert "## Accuracy" in proc.stdout  # the table is printed too
 
 

@@ -21,6 +21,7 @@ def weights(folder):
     return load_file(os.path.join(folder, "ckpt", "model.safetensors"))
 
 
+@pytest.mark.ranks
 def test_two_ranks_equal_one_process_sft(toy_data, tmp_path):
     """SFT has no sampling, so a 2-rank step over the same global batch is the 1-process step:
     each rank's loss is divided by the global token count and gradients are summed."""
@@ -37,6 +38,7 @@ def test_two_ranks_equal_one_process_sft(toy_data, tmp_path):
     assert losses(tmp_path / "two") == pytest.approx(losses(tmp_path / "one"), rel=1e-4)
 
 
+@pytest.mark.ranks
 def test_two_ranks_sdpo_stay_in_sync(toy_data, tmp_path):
     """Sampling streams differ per rank (seed + rank), so SDPO is not bit-equal to one process;
     the ranks' weights (and EMA teachers) must still be identical after every step."""

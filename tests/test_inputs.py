@@ -12,7 +12,7 @@ import types
 import pytest
 import torch
 
-from conftest import ROOT, TINY, TORCHRUN, cli_cfg, defaults, one_line_error, run_train
+from conftest import ROOT, TINY, TORCHRUN, cli_cfg, defaults, one_line_error, run_train, run_train_here
 
 import models
 import runtime
@@ -57,7 +57,7 @@ def recorder():
 
 
 def test_a_data_dir_without_the_set_is_one_line_naming_it(tmp_path):
-    proc = run_train(f"--data_dir={tmp_path}", "--dataset=toy/add", check=False)
+    proc = run_train_here(f"--data_dir={tmp_path}", "--dataset=toy/add")
     assert proc.returncode != 0
     assert one_line_error(proc).endswith(f"and there is no {tmp_path / 'toy' / 'prepare.py'} to make it: check --data_dir "
                                          "and the set's name")
@@ -157,7 +157,7 @@ def test_long_prompts_are_left_out_quickly_and_a_context_too_small_is_one_line(t
               f"--tokenizer_path={data / 'toy' / 'tokenizer'}")
     proc = run_train(*common, f"--out_dir={tmp_path / 'a'}", "--max_iters=1")
     assert "long: left out 1 of 3 prompts longer than 120 tokens" in proc.stdout
-    line = one_line_error(run_train(*common, f"--out_dir={tmp_path / 'b'}", "--block_size=4", check=False))
+    line = one_line_error(run_train_here(*common, f"--out_dir={tmp_path / 'b'}", "--block_size=4"))
     assert "leaves no room for a prompt in the model's context of 4 tokens: lower --max_new_tokens" in line and not (tmp_path / "b").exists()
 
 
@@ -303,7 +303,7 @@ def test_a_missing_set_names_its_prepare_py_and_a_misspelt_one_the_sets_there(tm
 
 
 def test_a_mistyped_folder_that_reads_as_a_hub_id_says_there_is_no_such_folder(toy_data, tmp_path):
-    line = one_line_error(run_train("config/grpo_toy.py", "--init_from=out/no_such_base", f"--out_dir={tmp_path}", check=False))
+    line = one_line_error(run_train_here("config/grpo_toy.py", "--init_from=out/no_such_base", f"--out_dir={tmp_path}"))
     assert "cannot load model 'out/no_such_base': no such folder here, and from the hub: " in line
 
 
@@ -387,7 +387,7 @@ def test_devices_and_paths_are_one_line(toy_data, args, expect):
     if args == ["--device=cuda"] and torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
     if args == ["--device=tpu"]:  # once through the command line: one line, exit 1
-        assert expect in one_line_error(run_train("config/grpo_toy.py", *TINY, "--init_from=scratch", *args, check=False))
+        assert expect in one_line_error(run_train_here("config/grpo_toy.py", *TINY, "--init_from=scratch", *args))
         return
     with pytest.raises(train.UserError, match=expect.replace("(", r"\(")) as e:
         train.main(cli_cfg(*args))
@@ -426,9 +426,10 @@ def test_ranks_that_never_turn_up_stop_the_run_in_seconds_not_half_an_hour(toy_d
                                     env=env))
     assert "rank 0 of 2 could not meet the others" in line and "within 2 s" in line
     assert not os.path.exists(os.path.join(ROOT, "out", "never_written"))
-    assert "RANK=1 with WORLD_SIZE=1" in one_line_error(run_train("--device=cpu", check=False, env={"RANK": "1"}))
+    assert "RANK=1 with WORLD_SIZE=1" in one_line_error(run_train_here("--device=cpu", env={"RANK": "1"}))
 
 
+@pytest.mark.ranks
 def test_ranks_reading_different_data_stop_in_one_line(toy_data, tmp_path):
     for rank in (0, 1):
         rows = [dict(GOOD, id=str(i), answer=str(2 + (rank if i == 3 else 0))) for i in range(4)]  # one answer differs

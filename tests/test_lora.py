@@ -13,7 +13,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from conftest import ROOT, TINY, TORCHRUN, assert_resume_continues_exactly, defaults, hand_made_batch, one_line_error, read_log, run_train
+from conftest import (ROOT, TINY, TORCHRUN, assert_resume_continues_exactly, defaults, hand_made_batch, one_line_error,
+                      read_log, run_train, run_train_here)
 
 import checkpoint
 import decoding
@@ -182,8 +183,8 @@ def test_a_bad_lora_setting_is_one_line_and_writes_nothing(toy_data, base_dir, t
 
 
 def test_a_bad_lora_target_from_the_command_line_is_one_line(toy_data, base_dir, tmp_path):
-    proc = run_train("config/sdpo_toy.py", *TINY, f"--init_from={base_dir}", "--lora_rank=4", "--lora_targets=qproj",
-                     f"--out_dir={tmp_path / 'run'}", "--device=cpu", check=False)
+    proc = run_train_here("config/sdpo_toy.py", *TINY, f"--init_from={base_dir}", "--lora_rank=4", "--lora_targets=qproj",
+                          f"--out_dir={tmp_path / 'run'}", "--device=cpu")
     assert "'qproj' names no module" in one_line_error(proc)
     assert not (tmp_path / "run").exists()
 
@@ -294,6 +295,7 @@ def test_lora_models_and_their_views_decode_on_the_static_cache_as_on_the_dynami
     assert decoding._compiled_steps, "the static path went through torch.compile"
 
 
+@pytest.mark.ranks
 def test_two_ranks_of_lora_equal_one_process(toy_data, base_dir, tmp_path):
     """Data parallelism over LoRA: the ranks sum the adapters' gradients only (the frozen base has
     none to all-reduce) and the merged model after 2 steps equals the one-process run's."""

@@ -8,7 +8,7 @@ import pytest
 import torch
 import transformers
 
-from conftest import TINY, read_log, run_train
+from conftest import TINY, read_log, run_train, run_train_here
 
 import decoding
 import models
@@ -104,8 +104,8 @@ def test_a_refused_architecture_is_one_line_through_train_py(toy_data, tmp_path)
     model.save_pretrained(tmp_path / "gemma2")
     from transformers import AutoTokenizer
     AutoTokenizer.from_pretrained(os.path.join(toy_data, "toy", "tokenizer")).save_pretrained(tmp_path / "gemma2")
-    proc = run_train("config/grpo_toy.py", *TINY, f"--init_from={tmp_path / 'gemma2'}", f"--out_dir={tmp_path / 'out'}",
-                     "--max_iters=1", "--device=cpu", check=False)
+    proc = run_train_here("config/grpo_toy.py", *TINY, f"--init_from={tmp_path / 'gemma2'}", f"--out_dir={tmp_path / 'out'}",
+                          "--max_iters=1", "--device=cpu")
     assert proc.returncode != 0 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     assert "final_logit_softcapping" in proc.stderr and not (tmp_path / "out").exists()
 

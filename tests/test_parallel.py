@@ -46,6 +46,7 @@ def fsdp_sdpo(toy_data, tmp_path_factory):
     return out
 
 
+@pytest.mark.ranks
 def test_fsdp_sft_equals_one_process(toy_data, tmp_path):
     """SFT samples nothing: 2 FSDP ranks over the same global batch are the one-process run (loss,
     gradient norm, weights; float tolerance), and ckpt/ is the same clean HF folder, which loads."""
@@ -68,6 +69,7 @@ def test_fsdp_sft_equals_one_process(toy_data, tmp_path):
     torch.testing.assert_close(loaded.state_dict()["model.norm.weight"], got["model.norm.weight"])
 
 
+@pytest.mark.ranks
 def test_fsdp_grpo_and_sdpo_steps_equal_one_process_on_the_same_global_batch(toy_data, tmp_path):
     """tests/parallel/fsdp_steps.py: 3 steps of GRPO (KL to a sharded initial model) and of SDPO (EMA
     teacher, sharded, updated on its shards) on 2 FSDP ranks, each training its share of a global batch,
@@ -96,6 +98,7 @@ def test_fsdp_grpo_and_sdpo_steps_equal_one_process_on_the_same_global_batch(toy
     assert len(mp["collapse"]) == 2 and all("not finite" in (m or "") for m in mp["collapse"])  # rank 1's inf stops both
 
 
+@pytest.mark.ranks
 def test_fsdp_sdpo_run_equals_the_ddp_run(fsdp_sdpo, tmp_path):
     """The same run through train.py with parallel=ddp (each rank samples with its own seed, so the
     reference is DDP, not one process): the same log lines, student and EMA teacher."""
@@ -116,6 +119,7 @@ def test_fsdp_sdpo_run_equals_the_ddp_run(fsdp_sdpo, tmp_path):
         {k: v for k, v in r.items() if k.startswith("eval/")} for r in evals[1]]
 
 
+@pytest.mark.ranks
 def test_fsdp_resume_after_a_kill_continues_exactly(fsdp_sdpo, tmp_path):
     """Killed (SIGKILL, every rank) after its second checkpoint, resumed with init_from=resume on the same
     2 ranks: the log and the weights are the uninterrupted run's, exactly. Another world size is refused."""
@@ -152,6 +156,7 @@ def free_port():
         return s.getsockname()[1]
 
 
+@pytest.mark.ranks
 @pytest.mark.parametrize("parallel", ["fsdp", "ddp"])
 def test_a_rank_killed_mid_run_stops_the_other_with_one_line(toy_data, tmp_path, parallel):
     """Two ranks started as torchrun starts them (RANK, WORLD_SIZE, MASTER_*), rank 1 killed once training

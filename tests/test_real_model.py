@@ -140,7 +140,7 @@ def sdpo_run(smollm2_dir, capitals, tmp_path_factory):
     run_train(f"--init_from={smollm2_dir}", "--algo=sdpo", f"--data_dir={data_dir}", f"--dataset={name}",
               f"--out_dir={out_dir}", "--device=cpu", "--max_iters=2", "--batch_prompts=2", "--group_size=4",
               "--micro_batch_size=8", f"--max_new_tokens={MAX_NEW}", "--temperature=0.6", "--eval_temperature=0.6",
-              "--eval_interval=1", "--eval_max_prompts=8", "--eval_n=4", "--warmup_iters=1", "--use_feedback=True",
+              "--eval_interval=1", "--eval_max_prompts=4", "--eval_n=4", "--warmup_iters=1", "--use_feedback=True",
               "--seed=1", env=ONE_THREAD)
     yield out_dir, data_dir, name
     shutil.rmtree(out_dir, ignore_errors=True)

@@ -20,7 +20,7 @@ import torch
 from safetensors import safe_open
 
 from conftest import (ROOT, RUN, TINY, assert_resume_continues_exactly, cli_cfg, copy_of, defaults, listing, one_line_error,
-                      read_log, run_train, tiny_cfg)
+                      read_log, run_train, run_train_here, tiny_cfg)
 
 import checkpoint
 import eval as ev
@@ -113,7 +113,7 @@ def test_a_second_run_into_the_same_out_dir_stops_and_a_killed_runs_lock_blocks_
     try:
         assert holder.stdout.readline().strip() == "held"
         args = (*RUN, f"--out_dir={out}", "--init_from=resume", "--max_iters=3")
-        assert f"in use by another run (pid {holder.pid})" in one_line_error(run_train(*args, check=False))
+        assert f"in use by another run (pid {holder.pid})" in one_line_error(run_train_here(*args))
     finally:
         holder.kill()  # kill -9: its .lock file stays, its lock goes with it
         holder.wait()
@@ -132,7 +132,7 @@ def test_a_fresh_run_into_an_earlier_run_refuses_unless_told_to_overwrite(toy_da
     (out / "eval.json").write_text("{}")
     (out / "notes.txt").write_text("mine")
     args = ("config/grpo_toy.py", *TINY, "--init_from=scratch", f"--out_dir={out}", "--max_iters=2", "--device=cpu")
-    proc = run_train(*args, check=False)
+    proc = run_train_here(*args)
     assert proc.returncode != 0 and len(proc.stderr.strip().splitlines()) == 1
     assert "--init_from=resume" in proc.stderr and "--overwrite=True" in proc.stderr and "another --out_dir" in proc.stderr
     assert (out / "log.jsonl").read_text().startswith('{"iter": 999') and (out / "stage7_toy_mul").exists()
@@ -155,7 +155,7 @@ def test_a_bad_input_into_a_finished_run_changes_nothing(finished_run, tmp_path,
     out = copy_of(finished_run, tmp_path)
     before = listing(out)
     if bad == "--dataset=toy/nonexist":
-        one_line_error(run_train(*RUN, f"--out_dir={out}", "--overwrite=True", bad, check=False))
+        one_line_error(run_train_here(*RUN, f"--out_dir={out}", "--overwrite=True", bad))
     else:
         with pytest.raises(train.UserError) as e:
             train.main(cli_cfg(f"--out_dir={out}", "--overwrite=True", bad))
@@ -376,7 +376,7 @@ def test_resume_refuses_a_changed_run_naming_the_key(finished_run, tmp_path, cha
     out = copy_of(finished_run, tmp_path)
     before = listing(out)
     if key == "algo":  # once through the command line: one line, exit 1
-        assert "algo was" in one_line_error(run_train(*RUN, f"--out_dir={out}", "--init_from=resume", change, check=False))
+        assert "algo was" in one_line_error(run_train_here(*RUN, f"--out_dir={out}", "--init_from=resume", change))
     else:
         with pytest.raises(train.UserError, match=f"{key} (was|were)"):
             train.main(cli_cfg(f"--out_dir={out}", "--init_from=resume", change))
@@ -421,7 +421,7 @@ def test_a_resume_on_other_data_is_refused_naming_the_file(finished_run, tmp_pat
 
 def test_resume_from_something_that_is_not_a_checkpoint(tmp_path, toy_data):
     (tmp_path / "ckpt").mkdir()
-    proc = run_train(f"--out_dir={tmp_path}", "--init_from=resume", check=False)
+    proc = run_train_here(f"--out_dir={tmp_path}", "--init_from=resume")
     assert proc.returncode != 0 and "ckpt" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
 
 
