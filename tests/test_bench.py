@@ -5,6 +5,7 @@ import glob
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -334,6 +335,35 @@ def test_compare_runs_finds_a_rerun_identical_names_a_key_that_differs_and_refus
     proc = subprocess.run([sys.executable, "tests/experiments/compare_runs.py", a, str(tmp_path / "none")], cwd=ROOT,
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 1 and len(proc.stderr.strip().splitlines()) == 1 and "accuracy_matrix.json" in proc.stderr
+
+
+def test_runs_table_shows_the_settings_that_differ_and_each_sets_first_last_and_best(finished_run, tmp_path):
+    """tests/experiments/runs_table.py on a finished run and a copy of it whose settings and last eval were
+    changed: one row per run, a column per differing setting (not out_dir), each set's scores."""
+    from tests.experiments import runs_table
+    other = tmp_path / "other"
+    shutil.copytree(finished_run, other)
+    state = other / "ckpt" / "trainer" / "state.json"
+    saved = json.loads(state.read_text())
+    saved["config"].update(learning_rate=0.5, out_dir="elsewhere")
+    state.write_text(json.dumps(saved))
+    rows = [json.loads(line) for line in (other / "log.jsonl").read_text().splitlines()]
+    evals = [r for r in rows if "eval_tag" in r]
+    key = next(k for k in evals[0] if k.startswith("eval/") and "/mean@" in k)
+    with open(other / "log.jsonl", "a") as f:
+        f.write(json.dumps({"iter": 3, "eval_tag": "periodic", key: 0.75}) + "\n")
+    first = evals[0][key]
+    text = runs_table.table([str(finished_run), str(other)])
+    lines = text.splitlines()
+    head = [c.strip() for c in lines[0].strip("|").split("|")]
+    assert head[:3] == ["run", "learning_rate", "iters"] and text.endswith("settings that differ: learning_rate")
+    name = key[len("eval/"):key.rindex("/mean@")]  # the set, e.g. toy/add
+    col = head.index(f"{name} mean@n: first → last (best)")
+    mine, theirs = ([c.strip() for c in line.strip("|").split("|")] for line in lines[2:4])
+    assert mine[0] == str(finished_run) and theirs[1] == "0.5" and mine[2] == theirs[2] == "2"
+    assert theirs[col] == f"{first:.3f} → 0.750 (0.750)" and mine[col].startswith(f"{first:.3f} → ")
+    with pytest.raises(SystemExit, match=f"{tmp_path} has no log.jsonl"):
+        runs_table.table([str(finished_run), str(tmp_path)])
 
 
 def test_teacher_signal_runs_on_a_scratch_model(toy_data):
