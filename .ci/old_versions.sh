@@ -8,7 +8,6 @@
 # items 1, 3). No `datasets`, as there: train.py imports it only to read a hub dataset.
 #
 #   bash .ci/old_versions.sh            # creates (or reuses) the venv, then runs the tests
-#   bash .ci/old_versions.sh --install-only   # only creates it (.ci/run: beside the ranks tier)
 #   OLD_VENV=/some/dir bash .ci/old_versions.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -23,7 +22,6 @@ assert torch.__version__.split('+')[0] == '2.11.0' and transformers.__version__ 
     "$venv/bin/python" -m pip install -q "${pins[1]}" tqdm numpy safetensors "pytest>=8.0" "pytest-xdist>=3.5" peft==0.21.2
 fi
 "$venv/bin/python" -c "import torch, transformers; print(f'old versions: torch {torch.__version__}, transformers {transformers.__version__}')"
-if [[ "${1:-}" == "--install-only" ]]; then exit 0; fi
 OMP_NUM_THREADS=1 "$venv/bin/python" -m pytest -q -p no:cacheprovider -n auto --dist loadfile \
     tests/test_models.py tests/test_rollout.py tests/test_loss.py tests/test_step.py tests/test_loss_weights.py \
     tests/test_teacher_context.py tests/test_teacher.py tests/test_train.py tests/test_lora.py tests/test_parallel.py \
