@@ -210,7 +210,7 @@ def print_help(keys, cfg, helps, source_file, given):
     """Every key with the value this command line gives it (the default without config files or
     overrides) and its help; a key the arguments changed is marked *, with its default after it."""
     width = max(map(len, keys))
-    changed = [k for k in keys if cfg[k] != keys[k] or type(cfg[k]) is not type(keys[k])]
+    changed = [k for k in keys if cfg[k] != keys[k]]  # (coerce keeps each value the default's type)
     lines = [f"usage: python {source_file.rsplit('/', 1)[-1]} [config/file.py ...] [--key=value ...]"]
     if given:
         lines.append(f"values after {' '.join(given)} ({len(changed)} changed, marked *)")

@@ -21,7 +21,8 @@ EVAL_KEY = re.compile(r"^eval/(.+)/mean@(\d+)$")  # the student's score on a set
 
 
 def read_run(folder):
-    """(settings, iteration rows, eval rows) of a train.py out_dir; a folder that is not one: SystemExit."""
+    """(settings, iteration rows, {eval set: its mean@n at each eval, in order}) of a train.py out_dir; a folder
+    that is not one: SystemExit."""
     log, state = os.path.join(folder, "log.jsonl"), os.path.join(folder, "ckpt", "trainer", "state.json")
     for path, what in ((log, "log.jsonl"), (state, "ckpt/trainer/state.json")):
         if not os.path.isfile(path):
@@ -34,9 +35,13 @@ def read_run(folder):
             rows = [json.loads(line) for line in f if line.strip()]
     except (ValueError, KeyError) as e:
         raise SystemExit(f"error: {folder}: cannot read its log or settings ({type(e).__name__}: {e})") from None
-    evals = [r for r in rows if "eval_tag" in r]
+    scores = {}
+    for r in (r for r in rows if "eval_tag" in r):
+        for k, v in r.items():
+            if m := EVAL_KEY.match(k):
+                scores.setdefault(m.group(1), []).append(v)
     iters = [r for r in rows if "loss" in r and "eval_tag" not in r]
-    return settings, iters, evals
+    return settings, iters, scores
 
 
 def table(folders):
@@ -44,17 +49,16 @@ def table(folders):
     runs = [read_run(f) for f in folders]
     keys = sorted({k for s, _, _ in runs for k in s})
     differ = [k for k in keys if k != "out_dir" and len({json.dumps(s.get(k)) for s, _, _ in runs}) > 1]
-    sets = list(dict.fromkeys(m.group(1) for _, _, evals in runs for r in evals for k in r
-                              if (m := EVAL_KEY.match(k))))
+    sets = list(dict.fromkeys(name for _, _, scores in runs for name in scores))
     signal = [k for k in SIGNAL if any(k in r for _, iters, _ in runs for r in iters)]
     head = ["run", *differ, "iters", *(f"{s} mean@n: first → last (best)" for s in sets),
             *(f"{k} (last {LAST})" for k in signal)]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for folder, (settings, iters, evals) in zip(folders, runs):
+    for folder, (settings, iters, scores) in zip(folders, runs):
         cells = [folder, *(json.dumps(settings.get(k)) for k in differ), str(iters[-1]["iter"] if iters else 0)]
-        for s in sets:
-            scores = [v for r in evals for k, v in r.items() if (m := EVAL_KEY.match(k)) and m.group(1) == s]
-            cells.append(f"{scores[0]:.3f} → {scores[-1]:.3f} ({max(scores):.3f})" if scores else "-")
+        for name in sets:
+            got = scores.get(name)
+            cells.append(f"{got[0]:.3f} → {got[-1]:.3f} ({max(got):.3f})" if got else "-")
         for k in signal:
             values = [r[k] for r in iters[-LAST:] if k in r]
             cells.append(f"{sum(values) / len(values):.3g}" if values else "-")
