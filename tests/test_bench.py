@@ -236,6 +236,23 @@ def test_gpu_check_runs_every_section_in_cpu_mode(toy_data, tmp_path):
     assert next(c for c in out["checks"] if c["name"].startswith("static rollout"))["numbers"]["static_over_hf"] > 0
 
 
+def test_gpu_check_reports_a_cpu_peak_of_zero_instead_of_failing_section_c(tmp_path, monkeypatch, capsys):
+    """On the CPU a peak is RSS growth: a naive run whose memory the process already held measures 0 MB, so
+    bench_loss has no memory ratio (None). Section c says so in its row; it once raised (a CI run's FAIL)."""
+    import argparse
+    from tests.bench import gpu_check
+    result = {"size": [256, 32, 2048], "max_abs_grad_diff": 1e-3, "max_abs_grad": 1.0, "speedup_vs_bf16_naive": 1.1,
+              "naive_bf16_s": 0.11, "fused_s": 0.1, "naive_s": 0.12, "naive_bf16_peak_mb": 0.0, "fused_peak_mb": 2.0,
+              "naive_peak_mb": 9.0, "mem_frac_of_bf16_naive": None,
+              "jsd": {"liger_skipped": "Liger's kernels are Triton (CUDA only)", "fused_s": 0.1, "fused_peak_mb": 8.0}}
+    monkeypatch.setattr(gpu_check.bench_loss, "main", lambda argv: result)
+    C = gpu_check.Check(argparse.Namespace(cpu=True, out=str(tmp_path)))
+    gpu_check.section_c(C)
+    row = next(r for r in C.rows if r["name"].startswith("fused peak"))
+    assert row["status"] == "INFO" and "bf16 naive 0 MB, fused 2 MB: no ratio (a CPU peak is RSS growth" in row["summary"]
+    assert [r["name"].split()[0] for r in C.rows] == ["fused", "fused", "fused", "fused"]  # every row of section c
+
+
 def test_tests_top_level_holds_only_test_files_conftest_and_subfolders():
     tests = os.path.join(ROOT, "tests")
     files = [f for f in os.listdir(tests) if os.path.isfile(os.path.join(tests, f)) and not f.startswith(".")]
