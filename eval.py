@@ -51,7 +51,7 @@ import checkpoint
 import runtime
 import models
 import train
-from configurator import check_seed, configure
+from configurator import check_seed, configure, require
 from data import checkers
 
 run_dir = ""  # a training run folder (train.py's out_dir): accuracy matrix, per-stage snapshots, base model
@@ -63,6 +63,8 @@ k = "1,4,16"  # comma list of k for pass@k (values above n are dropped)
 temperature = 0.6  # sampling temperature
 top_p = 0.95  # nucleus sampling
 max_new_tokens = 0  # response length cap (0 = the run's max_new_tokens, else 2048)
+success_threshold = 0.0  # reward at which a sample counts as solved for pass@k (0 = the run's success_threshold, else 1.0)
+math_checker = ""  # 'builtin' or 'math_verify' ('' = the run's math_checker, else builtin): scored as train.py scored it
 max_prompts = 0  # test prompts per set (0 = all)
 drift_prompts = 32  # the first prompts of each set used for response drift (0 = skip response drift)
 batch_prompts = 8  # prompts per generation batch (each with n samples)
@@ -324,9 +326,11 @@ def spectral_drift(state, state0, k=0, base_cache=None):
 
 # ----------------------------------------------------------------------------- response drift
 def median_heuristic(x):
-    """Median pairwise Euclidean distance between distinct rows of x [N, D] (the RBF bandwidth σ).
+    """Median pairwise Euclidean distance between distinct rows of x [N, D] (the RBF bandwidth σ);
+    for an even number of pairs the lower of the two middle ones (torch.median's).
 
-    None when there are fewer than two rows or every pair coincides."""
+    None when there are fewer than two rows or that median is 0 (at least half the pairs coincide:
+    the callers then fall back to another bandwidth)."""
     x = torch.as_tensor(x, dtype=torch.float64)
     if x.shape[0] < 2:
         return None
@@ -621,7 +625,8 @@ def sample_with_eval_settings(model, tokenizer, tasks, cfg, autocast, *, n, batc
         return train.sample_and_score(model, tokenizer, tasks, n=n, temperature=cfg["temperature"], top_p=cfg["top_p"],
                               max_new_tokens=cfg["max_new_tokens"], batch_prompts=batch_prompts,
                               generator=train.make_generator(seed, dev), enable_thinking=cfg["enable_thinking"],
-                              progress=progress, static=train.use_static_rollout("auto", dev))
+                              progress=progress, static=train.use_static_rollout("auto", dev),
+                              success_threshold=cfg["success_threshold"], math_checker=cfg["math_checker"])
 
 
 def accuracy_per_set(model, tokenizer, sets, cfg, ks, autocast, label):
@@ -631,7 +636,7 @@ def accuracy_per_set(model, tokenizer, sets, cfg, ks, autocast, label):
         print(f"{label}: {name} ({len(tasks)} prompts x {cfg['n']} samples)", flush=True)
         r = sample_with_eval_settings(model, tokenizer, tasks, cfg, autocast, n=cfg["n"], batch_prompts=cfg["batch_prompts"],
                                       seed=cfg["seed"], progress=True)
-        res[name] = {"metrics": train.accuracy_summary(r["scores"], ks), "texts": r["texts"],
+        res[name] = {"metrics": train.accuracy_summary(r["scores"], ks, threshold=cfg["success_threshold"]), "texts": r["texts"],
                      "artifacts": artifacts_of(tokenizer, tasks, r["texts"])}
     return res
 
@@ -872,6 +877,16 @@ def main(cfg):
         base_path = ""
     if not cfg["max_new_tokens"]:
         cfg["max_new_tokens"] = run_cfg.get("max_new_tokens", 2048)
+    # score as the run scored its own evals (a code run's partial rewards, math-verify): else its
+    # in-training pass@n and eval.py's would count different samples as solved
+    cfg["success_threshold"] = cfg["success_threshold"] or run_cfg.get("success_threshold", 1.0)
+    cfg["math_checker"] = cfg["math_checker"] or run_cfg.get("math_checker", "builtin")
+    if not 0 < cfg["success_threshold"] <= 1:
+        raise train.UserError(f"success_threshold={cfg['success_threshold']} is not in (0, 1] (0 = the run's)")
+    if cfg["math_checker"] not in train.CHOICES["math_checker"]:
+        raise train.UserError(f"math_checker={cfg['math_checker']!r} is not one of {', '.join(train.CHOICES['math_checker'])}")
+    if cfg["math_checker"] == "math_verify":
+        require("math_verify", "math_checker=math_verify", "math-verify")
     names = parse_eval_sets(cfg["eval_sets"], EVAL_PRESETS) or list(((run or {}).get("matrix") or {}).get("eval_sets", []))
     if not names:
         raise train.UserError("no eval sets: give --eval_sets=a,b or a preset (" + ", ".join(EVAL_PRESETS) + ")")

@@ -54,13 +54,14 @@ def make_autocast(dev, dtype_name):
 
 @functools.lru_cache(maxsize=None)
 def has_fp32_out_gemm(device_type):
-    """Whether torch.mm / addmm take bf16 inputs with out_dtype=float32 here (CUDA in recent torch;
-    not the CPU): one GEMM that accumulates and writes fp32, no bf16 product to copy or add."""
+    """Whether torch.mm / addmm / bmm take bf16 inputs with out_dtype=float32 here (CUDA in recent
+    torch; not the CPU): one GEMM that accumulates and writes fp32, no bf16 product to copy or add."""
     try:
         a = torch.ones(2, 2, dtype=torch.bfloat16, device=device_type)
         out = torch.mm(a, a, out_dtype=torch.float32)
         torch.addmm(out, a, a, out_dtype=torch.float32, out=out)
-        return out.dtype == torch.float32 and bool((out == 4).all())
+        batched = torch.bmm(a[None], a[None], out_dtype=torch.float32)
+        return out.dtype == batched.dtype == torch.float32 and bool((out == 4).all()) and bool((batched == 2).all())
     except (RuntimeError, NotImplementedError, TypeError):
         return False
 
@@ -75,6 +76,11 @@ def fp32_out_mm(out, a, b, accumulate):
     else:
         torch.mm(a, b, out_dtype=out.dtype, out=out)
     return True
+
+
+def fp32_out_bmm(a, b):
+    """a @ b, batched, as one fp32-output GEMM (bf16 a, b) where torch has it; None where it does not."""
+    return torch.bmm(a, b, out_dtype=torch.float32) if has_fp32_out_gemm(a.device.type) else None
 
 
 def autocast_dtype(dev):

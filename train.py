@@ -93,7 +93,7 @@ from decoding import (StepMemory, decode_weights, forward_with_cache, frozen_fla
 from models import (base_view, check_lora_settings, context_length, disable_dropout, enable_grad_checkpointing, eval_mode,
                     fit_prompt, fit_tasks, frozen_copy, has_chat_template, lm_head, load_model, load_student, pad_batch,
                     prompt_budget, prompt_ids, response_hidden, stop_token_ids, takes_position_ids)
-from runtime import Dist, amp_dtype, fp32_out_mm, full_state_dict, gathered, leave, make_autocast
+from runtime import Dist, amp_dtype, fp32_out_bmm, fp32_out_mm, full_state_dict, gathered, leave, make_autocast
 from teacher import KINDS as TEACHER_KINDS, Teacher
 
 # ----------------------------------------------------------------------------- defaults
@@ -184,7 +184,7 @@ tail = True  # add a tail bucket with the remaining mass (else renormalise over 
 is_clip = 2.0  # clip of the detached IS weight on the distillation loss (0 = off)
 density = 1.0  # expected fraction of response tokens that get the distillation loss, in (0, 1]
 density_select = "random"  # which tokens at density < 1: 'random', 'disagree' (largest divergence to the teacher), 'last' (the final answer's end)
-distill_agg = "token-mean"  # 'token-mean' (every distilled token of the step alike) or 'seq-mean' (lasgroup/SDPO, TRL: each response's mean, over all responses)
+distill_agg = "token-mean"  # 'token-mean' (every distilled token of the step alike) or 'seq-mean' (TRL's: each response's mean, over all responses; lasgroup/SDPO's runs use verl's token-mean, per micro-batch)
 grpo_mix = 0.0  # loss = (1 - grpo_mix)·distill + grpo_mix·grpo
 fused_loss = True  # chunked LM-head loss with a hand-written backward (False: full logits)
 loss_chunk = 0  # tokens per chunk of the fused loss (0 = 128 on CPU, 512 on CUDA: one [chunk, vocab] fp32 buffer)
@@ -424,7 +424,8 @@ def group_advantages(rewards, group_size, norm_std, eps=1e-6):
 def strip_thinking(text):
     """Drop <think>...</think> blocks from a demonstration, an unclosed trailing one, and everything
     before a </think> that has no opening tag (the chat template opened the block, as in SDPO-CL)."""
-    if "</think>" in text and "<think>" not in text:
+    close, open_ = text.find("</think>"), text.find("<think>")
+    if close >= 0 and (open_ < 0 or close < open_):  # the first </think> closes a block the template opened
         text = "<think>" + text
     text = re.sub(r"<think>.*?</think>", "", text, flags=re.DOTALL)
     return text.split("<think>")[0].strip()
@@ -566,10 +567,11 @@ def template_teacher_prompts(tokenizer, tasks, inputs, group_size, cfg, limit):
 def distill_weights(masks, agg, scale, global_sum=single_process_sum):
     """Per-token weights of the distillation term over the whole step (all micro-batches, all ranks):
     scale (the loss's 1 − grpo_mix) over the normaliser.
-    token-mean: every distilled token alike, 1 / (distilled tokens in the step); seq-mean (as
-    lasgroup/SDPO and TRL): each response's mean over its distilled tokens, averaged over every
-    response of the step, those without a teacher counting as 0 -- so the step shrinks with the
-    fraction of responses that have a successful peer."""
+    token-mean: every distilled token alike, 1 / (distilled tokens in the step); seq-mean (TRL's
+    SDPO): each response's mean over its distilled tokens, averaged over every response of the
+    step, those without a teacher counting as 0 -- so the step shrinks with the fraction of
+    responses that have a successful peer. (lasgroup/SDPO's runs take verl's token-mean over each
+    micro-batch's distilled tokens; its seq-mean-token-mean would average over taught responses only.)"""
     if agg == "token-mean":
         norms = [max(global_sum([sum(int(m.sum()) for m in masks)])[0], 1)] * len(masks)
     else:
@@ -1262,18 +1264,23 @@ def _add_product(acc, a, b, rows_per_slice=16384):
 def _gathered_logits(parts, idx, max_elems):
     """sum_i <h_i[r], w_i[idx[r, j]]> for parts [(h_i [n, H], w_i [V, H])] and idx [n, k]: logits
     at a few vocab entries per row without the [n, V] product; row blocks keep the gathered
-    [rows, k, H] weights under max_elems (or 32 rows)."""
+    [rows, k, H] weights under max_elems (or 32 rows). Taken as _logits_into takes the full row they
+    are set against (the teacher's max and log-normaliser): fp32-output GEMMs where torch has them,
+    else bf16 products summed in fp32. A bf16-rounded top-k beside an exact normaliser is off by up
+    to ~0.06 at logit 20 and can put the teacher's top-k mass above 1."""
     n, k = idx.shape
     V, H = parts[0][1].shape
     dt = torch.promote_types(parts[0][0].dtype, torch.float32)
     if 4 * k >= V:  # k is a large share of the vocab: one [n, V] product is cheaper than gathering w rows
-        return sum(h @ w.T for h, w in parts).gather(1, idx).to(dt)
+        return _logits_into(torch.empty(n * V, dtype=dt, device=idx.device), parts).gather(1, idx)
     out = torch.empty(n, k, dtype=dt, device=idx.device)
     step = max(32, max_elems // (k * H))  # at least 32 rows per bmm: never a loop over single rows
     for r in range(0, n, step):
         acc = 0
         for h, w in parts:
-            acc = acc + torch.bmm(w[idx[r:r + step]], h[r:r + step, :, None]).squeeze(2)
+            a, b = w[idx[r:r + step]], h[r:r + step, :, None]
+            product = fp32_out_bmm(a, b) if a.dtype != dt else None
+            acc = acc + (torch.bmm(a, b) if product is None else product).squeeze(2).to(dt)
         out[r:r + step] = acc
     return out
 

@@ -24,7 +24,7 @@ save_interval = 50
 # long answers, and teacher prompts that hold a whole demonstration
 max_new_tokens = 4096
 max_reprompt_len = 10240
-# the references' normalisation: each response's token mean, averaged over all responses
+# TRL's SDPO normalisation: each response's token mean, averaged over all responses
 distill_agg = "seq-mean"
 # memory: decode 24 rows at a time, recompute blocks in the backward, 4 sequences a micro-batch (the code
 # stage's prompts run to ~2k tokens); estimate: 108.4 GB peak, 120.5 GB with the allocator's slack

@@ -24,7 +24,7 @@ max_reprompt_len = 10240
 max_iters = 300
 eval_interval = 50
 save_interval = 50
-# the references' normalisation: each response's token mean, averaged over all responses
+# TRL's SDPO normalisation: each response's token mean, averaged over all responses
 distill_agg = "seq-mean"
 # memory: decode 32 rows at a time (a whole batch's KV cache would be 174 GB), recompute blocks in the backward
 gen_batch_size = 32

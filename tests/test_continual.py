@@ -117,6 +117,14 @@ def test_two_stage_run_then_eval(toy_data, tmp_path):
     # two base scores (eval.py's sample and train.py's iteration-0 eval): each table says which it shows
     assert "Both scored by this eval" in md and "the base row is its iteration-0 eval" in md
     assert "## Accuracy" in proc.stdout  # the table is printed too
+    # the miniature's reader takes its drift figures from this eval.json (it once looked for spectral drift
+    # under the wrong key, so the row was always empty)
+    from tests.experiments import miniature
+    m = miniature.run_metrics(run)
+    assert m["param_drift"] == pytest.approx(r["drift"]["param"]["overall"])
+    assert m["spectral_nss"] == pytest.approx((final["nss_left"] + final["nss_right"]) / 2)
+    assert m["spectral_angle"] == pytest.approx((final["max_angle_left"] + final["max_angle_right"]) / 2)
+    assert m["response_mmd2"] is not None and m["foreign_format"] is not None
 
 
 def test_plots_need_matplotlib(tmp_path):

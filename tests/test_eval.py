@@ -1,5 +1,6 @@
 """Eval (eval.py and sample.py): accuracy (mean@n, pass@k), parameter, spectral and response drift,
 format artifacts, the report and its user errors; sample.py at temperature 0."""
+import json
 import math
 import os
 import re
@@ -9,6 +10,7 @@ import torch
 
 import eval as ev
 import train
+from configurator import configure
 from data import checkers
 
 
@@ -325,7 +327,7 @@ def test_user_errors(tmp_path):
     cfg = {key: getattr(ev, key) for key in ("run_dir", "model", "base_model", "eval_sets", "n", "k", "temperature",
                                             "top_p", "max_new_tokens", "max_prompts", "drift_prompts", "batch_prompts",
                                             "stage_drift", "out", "seed", "device", "dtype", "data_dir",
-                                            "enable_thinking", "plots", "spectral_k")}
+                                            "enable_thinking", "plots", "spectral_k", "success_threshold", "math_checker")}
     with pytest.raises(train.UserError, match="nothing to evaluate"):
         ev.main(dict(cfg))
     with pytest.raises(train.UserError, match="not a folder"):
@@ -336,6 +338,33 @@ def test_user_errors(tmp_path):
         ev.main(dict(cfg, model="x", drift_prompts=1))
     with pytest.raises(train.UserError, match="spectral_k=-2"):
         ev.main(dict(cfg, model="x", spectral_k=-2))
+    with pytest.raises(train.UserError, match=r"success_threshold=1.5 is not in \(0, 1\]"):
+        ev.main(dict(cfg, model="x", success_threshold=1.5))
+    with pytest.raises(train.UserError, match="math_checker='sympy' is not one of builtin, math_verify"):
+        ev.main(dict(cfg, model="x", math_checker="sympy"))
+
+
+def test_eval_py_scores_as_the_run_scored_its_own_evals(toy_data, tmp_path, monkeypatch):
+    """The run's success_threshold (what pass@k counts as solved: a code run's partial rewards) and
+    math_checker reach eval.py's sampling and its pass@k unless given; given, they win."""
+    from conftest import tiny_cfg
+    run = tmp_path / "run"
+    train.main(tiny_cfg(toy_data, run, success_threshold=0.5))
+    seen, real = [], train.sample_and_score
+
+    def spy(*args, **kw):
+        seen.append((kw["success_threshold"], kw["math_checker"]))
+        return real(*args, **kw)
+    monkeypatch.setattr(train, "sample_and_score", spy)
+    cfg = dict(configure(dict(vars(ev)), [], ev.__file__), run_dir=str(run), n=2, k="1,2", max_prompts=2, drift_prompts=0,
+               stage_drift=False, spectral_k=-1, device="cpu", base_model="none")
+    ev.main(dict(cfg))
+    with open(run / "eval.json") as f:
+        config = json.load(f)["config"]
+    assert (config["success_threshold"], config["math_checker"]) == (0.5, "builtin") and set(seen) == {(0.5, "builtin")}
+    seen.clear()
+    ev.main(dict(cfg, success_threshold=1.0))
+    assert set(seen) == {(1.0, "builtin")}
 
 
 def test_sample_py_greedy_at_temperature_zero(finished_run, capsys):

@@ -346,43 +346,72 @@ def test_fused_with_one_input_frozen(frozen):
     assert_rel(grads[1], grads[0], 1e-9, "grad")
 
 
-def test_fp32_output_gemms_take_the_exact_products_of_the_bf16_inputs(monkeypatch):
-    """Where torch multiplies bf16 inputs into an fp32 output (torch.mm / addmm out_dtype, CUDA), the
-    fused loss uses it: no bf16 rounding of the logits or of the weight gradient's running sum. The
-    CPU has no such kernel, so it is emulated here (an fp32 product of the bf16 values, which is what
-    the GPU kernel computes); the student log-probs then equal the fp32 reference on bf16-rounded
-    inputs, which the bf16-product fallback does not."""
+@pytest.fixture
+def fp32_out_gemms(monkeypatch):
+    """Emulates CUDA's fp32-output GEMMs (torch.mm / addmm / bmm with out_dtype) on the CPU, which has
+    none: an fp32 product of the bf16 values, which is what the GPU kernel computes. Returns the list
+    of the emulated calls made."""
     import runtime
-    real_mm, real_addmm, calls = torch.mm, torch.addmm, []
+    assert not runtime.has_fp32_out_gemm("cpu")  # today's CPU torch: the fallback is what CPU runs use
+    real, calls = {name: getattr(torch, name) for name in ("mm", "addmm", "bmm")}, []
 
-    def mm(a, b, *args, out_dtype=None, **kw):
-        if out_dtype is None:
-            return real_mm(a, b, *args, **kw)
-        calls.append("mm")
-        return real_mm(a.to(out_dtype), b.to(out_dtype), **kw)
+    def emulated(name):
+        def gemm(*args, out_dtype=None, **kw):
+            if out_dtype is None:
+                return real[name](*args, **kw)
+            calls.append(name)
+            *inputs, a, b = args  # addmm's first argument is the fp32 tensor it adds to
+            return real[name](*inputs, a.to(out_dtype), b.to(out_dtype), **kw)
+        return gemm
+    monkeypatch.setattr(runtime, "has_fp32_out_gemm", lambda device_type: True)
+    for name in real:
+        monkeypatch.setattr(torch, name, emulated(name))
+    return calls
 
-    def addmm(c, a, b, *args, out_dtype=None, **kw):
-        if out_dtype is None:
-            return real_addmm(c, a, b, *args, **kw)
-        calls.append("addmm")
-        return real_addmm(c, a.to(out_dtype), b.to(out_dtype), **kw)
 
+def test_fp32_output_gemms_take_the_exact_products_of_the_bf16_inputs(fp32_out_gemms):
+    """Where torch multiplies bf16 inputs into an fp32 output (torch.mm / addmm out_dtype, CUDA), the
+    fused loss uses it: no bf16 rounding of the logits or of the weight gradient's running sum (the
+    CPU has no such kernel: fp32_out_gemms emulates it). The student log-probs and the divergence then
+    equal the fp32 reference on bf16-rounded inputs, which the bf16-product fallback does not."""
     C = make_case(V=300, dtype=torch.float32)
     kw = dict(alpha=0.5, distill="topk", topk=7, tail=True, temperature=1.0)
-    rounded = dict(C, h=C["h"].bfloat16().float(), W=C["W"].bfloat16().float())
+    rounded = dict(C, h=C["h"].bfloat16().float(), W=C["W"].bfloat16().float(),  # the teacher's share scaled, then cast
+                   teacher=[TeacherLogits((t.hidden * t.coef).bfloat16().float(), t.weight.bfloat16().float(), 1.0)
+                            for t in C["teacher"]])
     _, ghn, gwn, sn = run(naive_token_loss, rounded, grpo_distill_loss_fn(rounded, "topk"), **kw)
-    assert not runtime.has_fp32_out_gemm("cpu")  # today's CPU torch: the fallback is what CPU runs use
-    _, _, _, s_fallback = run(fused_token_loss, C, grpo_distill_loss_fn(C, "topk"), chunk_size=8,
-                              matmul_dtype=torch.bfloat16, **kw)
-    monkeypatch.setattr(runtime, "has_fp32_out_gemm", lambda device_type: True)
-    monkeypatch.setattr(torch, "mm", mm)
-    monkeypatch.setattr(torch, "addmm", addmm)
+    with pytest.MonkeyPatch.context() as undo:  # the fallback, as the CPU runs it
+        import runtime
+        undo.setattr(runtime, "has_fp32_out_gemm", lambda device_type: False)
+        _, _, _, s_fallback = run(fused_token_loss, C, grpo_distill_loss_fn(C, "topk"), chunk_size=8,
+                                  matmul_dtype=torch.bfloat16, **kw)
     _, gh, gw, s = run(fused_token_loss, C, grpo_distill_loss_fn(C, "topk"), chunk_size=8,
                        matmul_dtype=torch.bfloat16, **kw)
-    assert {"mm", "addmm"} <= set(calls)
+    assert {"mm", "addmm", "bmm"} <= set(fp32_out_gemms)
     assert_rel(s["logp"], sn["logp"], 1e-5, "logp, fp32-output GEMMs")
+    assert_rel(s["div"], sn["div"], 1e-4, "divergence, fp32-output GEMMs")
     assert (s_fallback["logp"] - sn["logp"]).abs().max() > 10 * (s["logp"] - sn["logp"]).abs().max()
     assert (gh - ghn).norm() <= 2e-2 * ghn.norm() and (gw - gwn).norm() <= 2e-2 * gwn.norm()
+
+
+@pytest.mark.parametrize("alpha,topk", [(0, 100), (1, 100), (0.5, 100), (0.5, 1500)])
+def test_a_teacher_equal_to_the_student_gives_no_divergence_under_fp32_output_gemms(fp32_out_gemms, alpha, topk):
+    """The teacher's logits at the student's top-k are set against its max and log-normaliser, which
+    come from an fp32-output GEMM on CUDA; gathered as bf16 products beside them (logits near 20 off
+    by up to ~0.06), a teacher identical to the student got a divergence of ~1e-2 and a gradient
+    larger than a real teacher signal's, through the tail bucket. topk 1500 of 4000 takes the
+    [n, V]-product branch of _gathered_logits, 100 the gathered-rows (bmm) one."""
+    g = torch.Generator().manual_seed(0)
+    N, H, V = 64, 64, 4000
+    W = (torch.randn(V, H, generator=g) * 0.5).bfloat16().float()
+    h = torch.randn(N, H, generator=g).bfloat16().float().requires_grad_()
+    tokens = torch.randint(0, V, (N,), generator=g)
+    loss, stats = fused_token_loss(h, W, tokens, lambda logp, div, tlogp, rows: div.sum(), [TeacherLogits(h.detach(), W, 1.0)],
+                                   None, alpha=alpha, distill="topk", topk=topk, tail=True, chunk_size=16,
+                                   matmul_dtype=torch.bfloat16)
+    loss.backward()
+    assert "bmm" in fp32_out_gemms or topk == 1500
+    assert stats["div"].abs().max() < 1e-6 and h.grad.norm() < 1e-5, (stats["div"].abs().max(), h.grad.norm())
 
 
 def test_the_temperature_divides_the_hidden_states_before_their_bf16_cast():

@@ -89,7 +89,7 @@ ARMS = {
     "sdpo_d0.25_last": arm(S, "--density=0.25", "--density_select=last", ref="sdpo_d0.25"),
     "sdpo_d0.5_disagree": arm(S, "--density=0.5", "--density_select=disagree", ref="sdpo_d0.5"),
     "sdpo_d0.5_last": arm(S, "--density=0.5", "--density_select=last", ref="sdpo_d0.5"),
-    # normalisation: the references' seq-mean (step shrinks with the fraction that has a peer) vs token-mean
+    # normalisation: TRL's seq-mean (step shrinks with the fraction that has a peer) vs token-mean
     "sdpo_seqmean": arm(S, "--distill_agg=seq-mean", ref="sdpo"),
     # rich feedback (the SDPO paper's code setting) on toy/func: the teacher of a row whose group has no
     # success reads its own attempt's failing point, vs no teacher for that row, vs GRPO
@@ -137,7 +137,8 @@ METRICS = [
     ("no_answer", "no extractable answer rate"),
     ("response_mmd2", "response drift MMD²"),
     ("param_drift", "parameter drift ‖θ−θ0‖/‖θ0‖"),
-    ("param_spectral", "spectral parameter drift"),
+    ("spectral_nss", "spectral drift: subspace similarity NSS"),
+    ("spectral_angle", "spectral drift: largest principal angle (°)"),
 ]
 BINARY = {"collapse"}
 
@@ -262,6 +263,14 @@ def _domain(name):
     return name.split("/")[-1]
 
 
+def spectral_figures(group):
+    """eval.py's spectral drift of one group of matrices (its "overall" or a by_module entry) as two
+    numbers: nss, the mean of nss_left and nss_right (1 = the top-k subspaces did not rotate), and
+    angle, the mean of max_angle_left and max_angle_right (the largest principal angle, degrees)."""
+    return {"nss": (group["nss_left"] + group["nss_right"]) / 2,
+            "angle": (group["max_angle_left"] + group["max_angle_right"]) / 2}
+
+
 def run_metrics(out_dir, n_stages=None):
     """The numbers of one finished run (train.py's accuracy_matrix.json and log.jsonl, eval.py's eval.json
     when there is one), or of its first n_stages stages (then without eval.py's numbers)."""
@@ -290,9 +299,7 @@ def run_metrics(out_dir, n_stages=None):
     mmd = [v["mmd2"] for v in d["response"].values() if v.get("mmd2") is not None] if d else []
     leak = [v["model"]["foreign_format"] for v in d["artifacts"].values()] if d else []
     empty = [v["model"]["empty_answer"] for v in d["artifacts"].values()] if d else []
-    spectral = d["param"].get("spectral") if d else None  # hook: eval.py's principal-angle drift, once it exists
-    if isinstance(spectral, dict):
-        spectral = spectral.get("overall")
+    spectral = spectral_figures(d["spectral"]["overall"]) if d and d.get("spectral") else {"nss": None, "angle": None}
     out = {
         "first_acc": rows[0][j], "first_gain": c["gain"][0], "first_reward": statistics.fmean(rewards) if rewards else None,
         "first_mid_acc": next((x[k] for x in sorted(periodic, key=lambda x: abs(2 * x["iter"] - first_iters))
@@ -304,7 +311,8 @@ def run_metrics(out_dir, n_stages=None):
         "foreign_format": sum(leak) / len(leak) if leak else None,
         "no_answer": sum(empty) / len(empty) if empty else None,
         "response_mmd2": sum(mmd) / len(mmd) if mmd else None,
-        "param_drift": d["param"]["overall"] if d else None, "param_spectral": spectral,
+        "param_drift": d["param"]["overall"] if d else None, "spectral_nss": spectral["nss"],
+        "spectral_angle": spectral["angle"],
         "mmd2_floor": max((v.get("mmd2_floor") or 0.0) for v in d["response"].values()) if d and d["response"] else None,
     }
     return out
@@ -386,7 +394,7 @@ def report(arms, seeds, per_run, ref_override=None):
     metrics = [(k, label) for k, label in METRICS
                if any(per_run[(a, s)].get(k) is not None for a in arms for s in seeds)]
     summary = {a: {k: summarize([per_run[(a, s)].get(k) for s in seeds], k in BINARY) for k, _ in metrics} for a in arms}
-    digits = {k: (4 if k in ("response_mmd2", "param_drift", "param_spectral") else 3) for k, _ in metrics}
+    digits = {k: (4 if k in ("response_mmd2", "param_drift", "spectral_nss") else 3) for k, _ in metrics}
     lines = [f"mean ± SE [bootstrap 95 %] over {len(seeds)} paired seeds ({','.join(map(str, seeds))}); "
              "collapse: count/n [Wilson 95 %]", "",
              "| metric | " + " | ".join(arms) + " |", "|---|" + "---|" * len(arms)]

@@ -49,8 +49,7 @@ def drift(state, state0):
     s = ev.spectral_drift(state, state0, base_cache=BASE_SPECTRA)
     out = {"param_drift": p["overall"], **{f"param_{m}": v for m, v in p["by_module"].items()}}
     for group, g in [("", s["overall"])] + [(m + "_", v) for m, v in s["by_module"].items()]:
-        out[group + "nss"] = (g["nss_left"] + g["nss_right"]) / 2
-        out[group + "angle"] = (g["max_angle_left"] + g["max_angle_right"]) / 2
+        out.update({group + name: value for name, value in mini.spectral_figures(g).items()})
         out[group + "sv_change"] = g["sv_change"]
     out["angle_per_drift"] = out["angle"] / out["param_drift"] if out["param_drift"] else None
     out["spectral_raw"] = s
