@@ -411,21 +411,32 @@ FORMATS = {  # answer formats of the domains; each kind expects one of them
     "boxed": re.compile(r"\\(?:boxed|fbox)\s*\{"),
     "answer_tag": re.compile(r"<answer>", re.I),
     "tool_call": re.compile(r"^[ \t*]*Action[ \t*]*Input[ \t*]*:", re.M),
+    "python_block": re.compile(r"```[ \t]*(?:python3?|py)[ \t]*\n", re.I),
 }
-NATIVE_FORMAT = {"math": "boxed", "mcq": "answer_tag", "exact": "answer_tag", "tool": "tool_call"}
+NATIVE_FORMAT = {"math": "boxed", "mcq": "answer_tag", "exact": "answer_tag", "tool": "tool_call",
+                 "code": "python_block"}  # an expression task's code answer is an <answer> tag (native_format)
 REPEAT_RE = re.compile(r"(.{1,40}?)\1{3,}", re.S)  # a unit of 1-40 characters, then >= 3 more copies of it
 LOOP_MIN_SPAN = 16  # ...covering at least this many characters, with a letter or digit in the unit
 LOOP_NGRAM, LOOP_MIN_WORDS, LOOP_DUP_FRAC = 4, 32, 0.5
 LOOP_CHARS = 20_000  # look at most at this many leading characters
 
 
-def foreign_formats(text, kind):
+def native_format(kind, answer=None):
+    """The answer format a task of `kind` expects (a FORMATS name), None for an unknown kind. A code
+    task's is a ```python block, except an expression task's (the toy func domain): an <answer> tag."""
+    if kind == "code" and checkers.code_expression(answer):
+        return "answer_tag"
+    return NATIVE_FORMAT.get(kind)
+
+
+def foreign_formats(text, kind, answer=None):
     """Names of the answer formats in `text` that belong to other domains than `kind`'s.
 
     math expects \\boxed{}; mcq and exact expect <answer>…</answer>; tool expects
-    'Action: … / Action Input: {…}'. Any other of those formats appearing is foreign (e.g.
-    '\\boxed{' in an exact/mcq response, '<answer>' in a math one). Unknown kinds: none."""
-    native = NATIVE_FORMAT.get(kind)
+    'Action: … / Action Input: {…}'; code a ```python block (an expression task <answer>…</answer>:
+    native_format). Any other of those formats appearing is foreign (e.g. '\\boxed{' in an exact/mcq
+    response, '<answer>' in a math one, a ```python block in either). Unknown kinds: none."""
+    native = native_format(kind, answer)
     if native is None:
         return []
     return [name for name, rx in FORMATS.items() if name != native and rx.search(text)]
@@ -451,21 +462,23 @@ def repetition_loop(text):
     return False
 
 
-def format_artifacts(texts, kinds, lengths):
-    """Artifact rates over responses (texts[i] answers a task of kind kinds[i], lengths[i] tokens).
+def format_artifacts(texts, kinds, lengths, answers=None):
+    """Artifact rates over responses (texts[i] answers a task of kind kinds[i] with reference answer
+    answers[i] (it tells an expression task from a program one), lengths[i] tokens).
 
     foreign_format: fraction with another domain's answer format (foreign_formats);
     repetition: fraction stuck in a loop (repetition_loop); empty_answer: fraction that are blank
     or have no extractable final answer (checkers.final_answer); mean_len: mean tokens per response;
     formats: the fraction showing each answer format at all."""
     m = len(texts)
+    answers = answers or [None] * m
     if m == 0:
         return {"n": 0, "foreign_format": None, "repetition": None, "empty_answer": None, "mean_len": None, "formats": {}}
     return {
         "n": m,
-        "foreign_format": sum(bool(foreign_formats(t, kd)) for t, kd in zip(texts, kinds)) / m,
+        "foreign_format": sum(bool(foreign_formats(t, kd, a)) for t, kd, a in zip(texts, kinds, answers)) / m,
         "repetition": sum(repetition_loop(t) for t in texts) / m,
-        "empty_answer": sum(checkers.final_answer(kd, t) is None for t, kd in zip(texts, kinds)) / m,
+        "empty_answer": sum(checkers.final_answer(kd, t, a) is None for t, kd, a in zip(texts, kinds, answers)) / m,
         "mean_len": sum(lengths) / m,
         "formats": {name: sum(bool(rx.search(t)) for t in texts) / m for name, rx in FORMATS.items()},
     }
@@ -475,8 +488,9 @@ def artifacts_of(tokenizer, tasks, texts_per_task):
     """format_artifacts over every response to every task (token lengths from `tokenizer`)."""
     texts = [t for row in texts_per_task for t in row]
     kinds = [task["kind"] for task, row in zip(tasks, texts_per_task) for _ in row]
+    answers = [task.get("answer") for task, row in zip(tasks, texts_per_task) for _ in row]
     lengths = [len(tokenizer.encode(t, add_special_tokens=False)) for t in texts]
-    return format_artifacts(texts, kinds, lengths)
+    return format_artifacts(texts, kinds, lengths, answers)
 
 
 # ----------------------------------------------------------------------------- run folder

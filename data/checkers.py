@@ -36,12 +36,13 @@ MAX_TOOL_CALLS = 64
 TRUNCATED_FEEDBACK = "The response was cut off before a final answer."
 
 
-def final_answer(kind, response):
+def final_answer(kind, response, answer=None):
     """The final answer the checker of `kind` reads, or None when there is none (or it is blank).
 
     math: the last \\boxed{}; exact: the last <answer>…</answer>; mcq: that tag, else a
-    \\boxed{}, else "the answer is (X)"; tool: the Action names; code: the last fenced block.
-    Used to measure empty answers."""
+    \\boxed{}, else "the answer is (X)"; tool: the Action names; code: the last fenced block, or
+    for an expression task (its `answer` names an "expression") the last <answer>…</answer>, else
+    that block, as check_code reads it. Used to measure empty answers."""
     try:
         text = "" if response is None else str(response)
         if kind == "math":
@@ -56,6 +57,8 @@ def final_answer(kind, response):
                 got = _answer_is_letter(text)
         elif kind == "tool":
             got = " ".join(name for name, _ in _parse_tool_calls(text)[0])
+        elif kind == "code" and code_expression(answer):
+            got = expression_text(text)[0]
         elif kind == "code":
             got = code_block(text)[0]
         else:
@@ -880,15 +883,30 @@ def _code_reference(answer):
     return tests, ref.get("fn_name"), ref.get("timeout"), ref.get("score") == "fraction", ref.get("expression")
 
 
+def code_expression(answer):
+    """The variable an expression task's answer names (its "expression"), or None: a program task,
+    no answer given, or one that does not fit the schema."""
+    try:
+        return _code_reference(answer if isinstance(answer, str) else json.dumps(answer))[4]
+    except (ValueError, TypeError):
+        return None
+
+
 MAX_EXPRESSION_CHARS = 300
+
+
+def expression_text(response):
+    """(text, status) of an expression answer: the last <answer></answer>, else the last code block."""
+    expr, status = _last_tag(str(response))
+    if status == "none":
+        expr, status = code_block(response)
+    return expr, status
 
 
 def expression_program(response, var):
     """(program, status) for an expression answer: `def f(var): return (<expr>)`, status 'ok' |
     'none' | 'unclosed' | 'invalid' (not one Python expression)."""
-    expr, status = _last_tag(str(response))
-    if status == "none":
-        expr, status = code_block(response)
+    expr, status = expression_text(response)
     if status != "ok" or not expr or not expr.strip():
         return None, "none" if status == "ok" else status
     expr = expr.strip()

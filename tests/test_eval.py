@@ -283,6 +283,34 @@ def test_foreign_formats():
     assert ev.foreign_formats("Action: search\nAction Input: {}", "tool") == []
     assert ev.foreign_formats("<answer>x</answer> \\boxed{1}", "tool") == ["boxed", "answer_tag"]
     assert ev.foreign_formats("\\boxed{1}", "unknown-kind") == []
+    assert ev.foreign_formats("```python\nprint(1)\n```", "code") == []
+    assert ev.foreign_formats("```python\nprint(1)\n```\n\\boxed{1}", "code") == ["boxed"]
+    assert ev.foreign_formats("```py\nx = 1\n```\n\\boxed{1}", "math") == ["python_block"]
+    assert ev.foreign_formats("```\n3 + 4 = 7\n```\n\\boxed{7}", "math") == []  # an untagged block is not a program
+
+
+def test_an_expression_task_s_answer_is_its_answer_tag_in_the_artifact_rates(toy_data):
+    """The toy code domain (func) answers one expression in <answer></answer>, as check_code reads it: a
+    response with it has an answer and a native format; a program task expects a ```python block."""
+    from data import tasks as T
+    func = T.load("toy/func", "test", data_dir=toy_data, kinds=tuple(checkers.CHECKS))[:2]
+    assert all(checkers.code_expression(t["answer"]) == "x" for t in func)
+    solved = [t["solution"] for t in func]  # '<answer>x*x+39</answer>'
+    assert checkers.final_answer("code", solved[0], func[0]["answer"]) == re.search("<answer>(.*)</answer>", solved[0])[1]
+    assert checkers.final_answer("code", "```python\nx*x\n```", func[0]["answer"]) == "x*x\n"  # its fallback, as check_code's
+    program = json.dumps({"tests": [{"input": "1 2", "output": "3"}]})
+    assert checkers.code_expression(program) is None and checkers.code_expression(None) is None
+    assert checkers.final_answer("code", "<answer>x</answer>", program) is None  # a program task reads the block
+    texts = [[solved[0], "\\boxed{3*x-2}"], [solved[1], "no answer"]]
+    a = ev.artifacts_of(_CharTokenizer(), func, texts)
+    assert a["empty_answer"] == pytest.approx(2 / 4)  # the boxed one and the blank one
+    assert a["foreign_format"] == pytest.approx(1 / 4)  # \boxed is math's format
+    assert a["formats"]["answer_tag"] == pytest.approx(2 / 4)
+
+
+class _CharTokenizer:
+    def encode(self, text, add_special_tokens=False):
+        return list(text)
 
 
 def test_repetition_loop():
@@ -319,7 +347,7 @@ def test_final_answer_and_artifact_rates():
     assert a["repetition"] == pytest.approx(1 / 6)
     assert a["empty_answer"] == pytest.approx(4 / 6)  # math without \boxed (3), exact without <answer> (1)
     assert a["mean_len"] == pytest.approx(40 / 6)
-    assert a["formats"] == pytest.approx({"boxed": 2 / 6, "answer_tag": 2 / 6, "tool_call": 0.0})
+    assert a["formats"] == pytest.approx({"boxed": 2 / 6, "answer_tag": 2 / 6, "tool_call": 0.0, "python_block": 0.0})
     assert ev.format_artifacts([], [], [])["foreign_format"] is None
 
 
