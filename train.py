@@ -291,12 +291,34 @@ def sample_top_p(logits, temperature, top_p, generator):
         token = logprobs.argmax(-1)
     else:
         probs = logprobs.exp()
-        if top_p < 1.0:  # keep the smallest set of tokens whose mass reaches top_p
-            sorted_p, order = probs.sort(dim=-1, descending=True)
-            drop = sorted_p.cumsum(-1) - sorted_p > top_p
-            probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p.masked_fill(drop, 0.0))
+        if top_p < 1.0:
+            probs = nucleus(probs, top_p)
         token = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
     return token, logprobs.gather(-1, token[:, None]).squeeze(-1)
+
+
+NUCLEUS_K = 256  # nucleus() looks among each row's top NUCLEUS_K first
+
+
+def nucleus(probs, top_p):
+    """probs [B, V] with every token outside each row's nucleus zeroed: the smallest set of the most
+    probable tokens whose mass reaches top_p (a token is kept while the mass before it is <= top_p).
+    A row whose top NUCLEUS_K already hold more than top_p has its nucleus among them: it is found
+    there (a partial sort; sorting a 150k vocabulary every step costs more than the rest of sampling),
+    the other rows are sorted whole. Both give the same kept tokens and values (the cumulative sums of
+    one prefix), but tokens of exactly equal probability may be ordered differently at the edge."""
+    def keep(sorted_p, order, rows):
+        drop = sorted_p.cumsum(-1) - sorted_p > top_p
+        return torch.zeros_like(rows).scatter_(-1, order, sorted_p.masked_fill(drop, 0.0))
+    if probs.shape[-1] <= 4 * NUCLEUS_K:
+        return keep(*probs.sort(dim=-1, descending=True), probs)
+    top, order = probs.topk(NUCLEUS_K, dim=-1)  # sorted, descending
+    inside = top.cumsum(-1)[:, -1] > top_p  # the mass before the (K+1)-th token: it and the rest are dropped
+    out = keep(top, order, probs)
+    if not inside.all():
+        rest = probs[~inside]
+        out[~inside] = keep(*rest.sort(dim=-1, descending=True), rest)
+    return out
 
 
 def response_mask(tokens, eos_ids):

@@ -56,6 +56,29 @@ def test_top_p_only_samples_from_the_nucleus():
     assert set(tokens.tolist()) == {0, 1, 2, 3}
 
 
+def test_the_nucleus_found_among_the_top_k_is_the_one_a_full_sort_finds():
+    """nucleus() looks among each row's top NUCLEUS_K first and sorts whole only the rows whose nucleus is
+    wider: the kept tokens and values are those of sorting every row (as sample_top_p did), so the
+    same generator draws the same tokens."""
+    def by_full_sort(probs, top_p):
+        sorted_p, order = probs.sort(dim=-1, descending=True)
+        drop = sorted_p.cumsum(-1) - sorted_p > top_p
+        return torch.zeros_like(probs).scatter_(-1, order, sorted_p.masked_fill(drop, 0.0))
+    torch.manual_seed(0)
+    vocab = 8 * train.NUCLEUS_K
+    scale = torch.tensor([0.1, 1.0, 3.0, 8.0]).repeat_interleave(16)[:, None]  # flat rows need the whole sort
+    probs = torch.softmax(torch.randn(64, vocab) * scale, dim=-1)
+    for top_p in (0.5, 0.9, 0.95):
+        kept = train.nucleus(probs, top_p)
+        assert torch.equal(kept, by_full_sort(probs, top_p))
+        wide = (kept > 0).sum(-1) > train.NUCLEUS_K
+        assert wide.any() and not wide.all()  # both paths ran
+        draws = [torch.multinomial(p, 1, generator=torch.Generator().manual_seed(1)) for p in (kept, by_full_sort(probs, top_p))]
+        assert torch.equal(*draws)
+    small = probs[:, :100].softmax(-1)  # a small vocabulary: sorted whole
+    assert torch.equal(train.nucleus(small, 0.9), by_full_sort(small, 0.9))
+
+
 def test_generate_pad_equal_to_eos_still_keeps_the_stop_token():
     model = tiny_qwen2()
     g = torch.Generator().manual_seed(0)
