@@ -5,9 +5,11 @@ that the prepare scripts, eval tools and train.py can all import it without torc
 Each checker takes (response, answer) and returns (score in [0, 1], feedback str or None):
   check_math   the last \\boxed{...} (or \\fbox{}), normalised and compared for equivalence
   check_mcq    the letter in the last <answer>...</answer> (else \\boxed{X}, else "the answer is (X)")
-  check_tool   ReAct "Action: name / Action Input: {json}": the multiset of action names and the
-               merged Action Input objects must equal the reference (as in the SDPO paper's
-               ToolAlpaca set); JSON values compare by type (true is not 1)
+  check_tool   ReAct "Action: name / Action Input: {json}": the calls, each an (action name, Action
+               Input object) pair, must equal the reference's as a multiset (in any order); JSON
+               values compare by type (true is not 1). Stricter than the SDPO paper's ToolAlpaca
+               check (the names as a multiset, the Action Inputs merged), under which a repeated
+               action's calls in another order fail and its last call written twice passes
   check_exact  the stripped content of the last <answer>...</answer> equals the answer (toy suite)
   check_code   the last fenced block, run against the answer's unit tests in data/sandbox.py
 CHECKS (at the end) maps each task's `kind` to one of them: train.py's reward() dispatch, and the
@@ -60,7 +62,7 @@ def final_answer(kind, response, answer=None):
         elif kind == "code" and code_expression(answer):
             got = expression_text(text)[0]
         elif kind == "code":
-            got = code_block(text)[0]
+            got = code_block(text, code_entry(answer))[0]
         else:
             got = text
     except Exception:  # hostile text never raises
@@ -186,7 +188,7 @@ def _math_verify_reference(answer):
     return parse(f"\\boxed{{{answer}}}")
 
 
-_REWRITES = {"\u2212": "-", "\u2013": "-", "\u03c0": "\\pi", "\u221a": "\\sqrt", "\u00d7": "\\times",
+_REWRITES = {"{,}": ",", "\u2212": "-", "\u2013": "-", "\u03c0": "\\pi", "\u221a": "\\sqrt", "\u00d7": "\\times",
             "\u00b7": "\\cdot", "\u00f7": "\\div", "\u221e": "\\infty", "\u00b0": "", "\u00a0": " ",
             "\u222a": "\\cup", "\\lbrace": "\\{", "\\rbrace": "\\}", "\\dfrac": "\\frac",
             "\\tfrac": "\\frac", "\\displaystyle": "", "\\left": "", "\\right": "",
@@ -203,7 +205,14 @@ _UNITS = (r"dollars?|cents?|units?|degrees?|radians?|cm|mm|km|meters?|metres?|in
 _UNIT_TEXT_RE = re.compile(r"\\(?:text|mbox|mathrm|textrm)\{\s*[a-zA-Z][a-zA-Z .]*\}(?:\^\{?[23]\}?)?$")
 _UNIT_WORD_RE = re.compile(rf"\s(?:(?:square|sq\.?|cubic)\s+)?(?:{_UNITS})\.?(?:\^\{{?[23]\}}?)?$")
 _SPACE_RE = re.compile(r" (?![a-zA-Z])|(?<![a-zA-Z]) ")   # keep a space only between two letters
-_LHS_RE = re.compile(r"^(?:[a-zA-Z]|\\[a-zA-Z]+)(?:_\{?\w+\}?)?(?:\([a-zA-Z]\))?(?:=|\\in(?![a-zA-Z]))")
+# "x = -2 \text{ or } x = 1", "3, 5, \text{and } 7", "1 and 2": a list of solutions
+_CONJ_RE = re.compile(r"\s*,?\s*\\(?:text|textrm|mathrm|mbox)\{\s*,?\s*(?:or|and)\s*,?\s*\}\s*"
+                      r"|(?<=[\d)\]}])\s*,?\s+(?:or|and)\s+(?=[-+\d\\(\[a-zA-Z])")
+_PLUS_INFTY_RE = re.compile(r"(^|[(\[,\s])\+\s*\\infty")   # a unary +\infty is \infty
+_LIST_OF_NUMBERS_RE = re.compile(r"\d,\s+\d")   # "2, 100" is two numbers, "2,100" may be one
+# "x=", "\theta=", "a_1=", "f(x)=", "f(2)=", "AB=" (a segment), "x\in"
+_LHS_RE = re.compile(r"^(?:[a-zA-Z]|[A-Z]{2,3}|\\[a-zA-Z]+)(?:_\{?\w+\}?)?(?:\([a-zA-Z0-9]+\))?(?:=|\\in(?![a-zA-Z]))")
+_RHS_VARIABLE_RE = re.compile(r"(?P<value>[^=]+)=[a-zA-Z]")  # "5=x"
 _THOUSANDS_RE = re.compile(r"[+-]?\d{1,3}(?:,\d{3})+(?:\.\d+)?")
 _CMD_RE = re.compile(r"\\[a-zA-Z]+")
 _WORD_RE = re.compile(r"[a-zA-Z]{2,}")
@@ -232,7 +241,10 @@ def _normalize_answer(s):
     for k, v in _REWRITES.items():
         if k in s:
             s = s.replace(k, v)
+    spaced_list = _LIST_OF_NUMBERS_RE.search(s) is not None  # a typed space, not LaTeX's 10,\!080
     s = _SPACING_RE.sub(" ", s).strip()
+    s = _PLUS_INFTY_RE.sub(r"\1\\infty", _CONJ_RE.sub(",", s))
+    s = s.rstrip(". ")  # "18\text{ dollars}.": the unit is at the end once the period is gone
     for rx in (_UNIT_TEXT_RE, _UNIT_WORD_RE):  # units only after a number: "5 \text{ cm}", not "\text{east}"
         m = rx.search(s)
         if m and any(c.isdigit() for c in s[:m.start()]):
@@ -244,7 +256,7 @@ def _normalize_answer(s):
     s = re.sub(r"_\{(\w+)\}", r"_\1", s)
     s = s.rstrip(".").strip()
     s = _strip_lhs(s)
-    if _THOUSANDS_RE.fullmatch(s):
+    if not spaced_list and _THOUSANDS_RE.fullmatch(s):
         s = s.replace(",", "")
     return _unparen(s)
 
@@ -307,10 +319,14 @@ def _fix_shorthand(s):
 
 
 def _strip_lhs(s):
-    """'x=5' -> '5', 'f(x)=x^2' -> 'x^2', 'x\\in[-2,7]' -> '[-2,7]' (not '5x-7y=0')."""
+    """'x=5' -> '5', 'f(x)=x^2' -> 'x^2', 'AB=2\\sqrt{3}' -> '2\\sqrt{3}', 'x\\in[-2,7]' -> '[-2,7]', and
+    the other way round '5=x' -> '5' when the value is a constant (not '5x-7y=0', not 'x+y=z')."""
     m = _LHS_RE.match(s)
     if m and m.end() < len(s) and "=" not in s[m.end():]:
         return s[m.end():]
+    m = _RHS_VARIABLE_RE.fullmatch(s)
+    if m and not re.search(r"[a-zA-Z]", _CMD_RE.sub("", m.group("value"))):
+        return m.group("value")
     return s
 
 
@@ -569,7 +585,7 @@ def _eval_expr(node, env):
         return env[node.id]
     if t is ast.UnaryOp and type(node.op) in (ast.USub, ast.UAdd):
         v = _eval_expr(node.operand, env)
-        return -v if type(node.op) is ast.USub else v
+        return 0j - v if type(node.op) is ast.USub else v  # -(4+0j) is -4-0j, whose sqrt is -2i
     if t is ast.BinOp:
         a, b, op = _eval_expr(node.left, env), _eval_expr(node.right, env), type(node.op)
         if op is ast.Add:
@@ -614,10 +630,11 @@ def _sample_values(trees, names):
 
 
 def _close_num(x, y):
-    """Relative: |x - y| <= 1e-9 max(|x|, |y|), at every magnitude. An absolute floor would make
-    10^{-13} equal 0 while the plain number 0.0000000000001 (compared exactly) does not; so a small
-    value equals only itself within the relative tolerance, and 0 only an exact 0."""
-    return abs(x - y) <= 1e-9 * max(abs(x), abs(y))
+    """Relative: |x - y| <= 1e-12 max(|x|, |y|), at every magnitude: far above a few float roundings
+    (~1e-16 each), tight enough that 10^9 - 1 is not 10^9 (1e-9 was not). An absolute floor would
+    make 10^{-13} equal 0 while the plain number 0.0000000000001 (compared exactly) does not; so a
+    small value equals only itself within the relative tolerance, and 0 only an exact 0."""
+    return abs(x - y) <= 1e-12 * max(abs(x), abs(y))
 
 
 @functools.lru_cache(maxsize=1 << 14)
@@ -659,8 +676,12 @@ def _answer_is_letter(text):
     return m.group(1) if m else None
 
 
+_MCQ_WRAP_RE = re.compile(r"\\(?:boxed|fbox|text|textbf|textit|textrm|mathrm|mathbf|mbox)\s*\{")
+
+
 def _mcq_letter(s):
-    m = _LETTER_RE.fullmatch(_unwrap_cmds(s.strip(), _TEXT_CMD_RE)) if s is not None and len(s) < 100 else None
+    """The option letter s is: 'B', '(B)', '**B.**', '\\text{(B)}', '$\\boxed{B}$'; else None."""
+    m = _LETTER_RE.fullmatch(_unwrap_cmds(s.strip().replace("$", ""), _MCQ_WRAP_RE)) if s is not None and len(s) < 100 else None
     return m.group(1).upper() if m else None
 
 
@@ -759,8 +780,8 @@ def _same_json(a, b):
 
 @functools.lru_cache(maxsize=4096)
 def _tool_reference(answer):
-    """(action names, merged Action_Input as JSON) of a reference; ValueError naming what is wrong
-    (a call without an Action name, an Action_Input that is not a JSON object)."""
+    """The reference's calls as JSON text, [[name, Action_Input object], ...]; ValueError naming what
+    is wrong (a call without an Action name, an Action_Input that is not a JSON object)."""
     try:
         ref = json.loads(answer)
     except json.JSONDecodeError as e:
@@ -768,7 +789,7 @@ def _tool_reference(answer):
     ref = [ref] if isinstance(ref, dict) else ref
     if not isinstance(ref, list) or not ref or not all(isinstance(item, dict) for item in ref):
         raise ValueError("not a JSON object or a non-empty list of them")
-    names, merged = [], {}
+    calls = []
     for k, item in enumerate(ref, 1):
         name = item.get("Action")
         if not isinstance(name, str) or not name.strip():
@@ -776,21 +797,35 @@ def _tool_reference(answer):
         args = _json_dict(item.get("Action_Input", item.get("Action Input", {})))
         if args is None:
             raise ValueError(f"call {k}'s Action_Input is not a JSON object")
-        names.append(name.strip())
-        merged.update(args)
-    return tuple(names), json.dumps(merged, sort_keys=True)
+        calls.append([name.strip(), args])
+    return json.dumps(calls)  # text: the cache hands out no mutable objects
 
 
-def check_tool(response, answer):
-    ref_names, ref_merged = _tool_reference(answer)
-    ref_merged = json.loads(ref_merged)
-    calls, truncated = _parse_tool_calls(response)
-    names = [n for n, _ in calls]
-    malformed = [n for n, args in calls if args is None]
+def _same_calls(calls, ref_calls):
+    """The same (name, arguments) calls as a multiset: each call matched to an equal, unused one."""
+    left = list(ref_calls)
+    for name, args in calls:
+        j = next((j for j, (n, a) in enumerate(left) if n == name and _same_json(args, a)), None)
+        if j is None:
+            return False
+        del left[j]
+    return not left
+
+
+def _merged(calls):
     merged = {}
     for _, args in calls:
         merged.update(args or {})
-    if calls and not malformed and Counter(names) == Counter(ref_names) and _same_json(merged, ref_merged):
+    return merged
+
+
+def check_tool(response, answer):
+    ref_calls = [tuple(c) for c in json.loads(_tool_reference(answer))]
+    ref_names = [n for n, _ in ref_calls]
+    calls, truncated = _parse_tool_calls(response)
+    names = [n for n, _ in calls]
+    malformed = [n for n, args in calls if args is None]
+    if calls and not malformed and _same_calls(calls, ref_calls):
         return 1.0, None
     if truncated:
         return 0.0, TRUNCATED_FEEDBACK
@@ -802,6 +837,9 @@ def check_tool(response, answer):
     if Counter(names) != Counter(ref_names):
         called = _clip_text(", ".join(names), 200)
         return 0.0, f"Action names do not match the tool calls the question needs (you called: {called})."
+    merged, ref_merged = _merged(calls), _merged(ref_calls)
+    if _same_json(merged, ref_merged):  # every argument is there, some in another call than the question needs
+        return 0.0, "The Action Input arguments do not match the calls they belong to."
     missing = sorted(set(ref_merged) - set(merged))
     extra = sorted(set(merged) - set(ref_merged))
     wrong = sorted(k for k in set(merged) & set(ref_merged) if not _same_json(merged[k], ref_merged[k]))
@@ -833,9 +871,11 @@ _FENCE_RE = re.compile(r"```([^\n`]*)\n(.*?)```", re.S)
 _PY_TAGS = ("python", "python3", "py", "")
 
 
-def code_block(response):
+def code_block(response, entry=None):
     """(program, status): the last fenced code block (the last Python-tagged one when a later block
-    is not Python, e.g. sample output), status 'ok' | 'none' | 'unclosed'."""
+    is not Python, e.g. sample output), status 'ok' | 'none' | 'unclosed'. With `entry`, the function
+    the tests call (code_entry), the last Python block that defines it (or a LeetCode class Solution):
+    a later block that only calls it ("Example usage: print(add(1, 2))") is not the program."""
     tail = str(response)[-CODE_CHARS:]
     blocks = [(m.group(1).strip().lower(), m.group(2), m.end()) for m in _FENCE_RE.finditer(tail)]
     end = blocks[-1][2] if blocks else 0
@@ -844,7 +884,28 @@ def code_block(response):
     if not blocks:
         return None, "none"
     python = [b for b in blocks if b[0] in _PY_TAGS]
+    if entry and python:
+        defines = re.compile(rf"^[ \t]*(?:(?:async[ \t]+)?def[ \t]+{re.escape(entry)}[ \t]*\(|class[ \t]+Solution\b)", re.M)
+        python = [b for b in python if defines.search(b[1])] or python
     return (python or blocks)[-1][1], "ok"
+
+
+_CHECK_CALL_RE = re.compile(r"^check\((\w+)\)\s*\Z", re.M)  # HumanEval's test ends with check(<entry point>)
+
+
+def code_entry(answer):
+    """The function a code answer's tests call: its fn_name, else the name an assert test's final
+    check(NAME) passes (HumanEval); None for stdin programs, expression tasks, or a bad answer."""
+    try:
+        tests, fn_name, _, _, expression = _code_reference(answer if isinstance(answer, str) else json.dumps(answer))
+    except (ValueError, TypeError):
+        return None
+    if expression:
+        return None
+    if fn_name:
+        return fn_name
+    names = {m.group(1) for t in tests if "assert" in t for m in [_CHECK_CALL_RE.search(t["assert"].strip())] if m}
+    return names.pop() if len(names) == 1 else None
 
 
 def code_answer_error(answer):
@@ -935,20 +996,28 @@ def _code_case(test, fn_name):
     return Case(stdin=test["input"], main=True)
 
 
+_INT_TOKEN_RE = re.compile(r"[+-]?\d+")
+_FLOAT_TOKEN_RE = re.compile(r"[+-]?(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?|[+-]?(?i:inf|infinity|nan)")
+
+
 def _close_token(a, b):
+    """Two output tokens: integers equal as integers ("007" is 7, 1000000006 is not 1000000007: counts,
+    sums and residues mod 1e9+7 are exact), decimals within 1e-6 (relative above 1), anything else
+    as text ("1_000" is not 1000, although float() reads it so)."""
     if a == b:
         return True
-    try:
-        x, y = float(a), float(b)
-    except ValueError:
+    if _INT_TOKEN_RE.fullmatch(a) and _INT_TOKEN_RE.fullmatch(b):
+        return int(a) == int(b)
+    if not (_FLOAT_TOKEN_RE.fullmatch(a) and _FLOAT_TOKEN_RE.fullmatch(b)):
         return False
+    x, y = float(a), float(b)
     return abs(x - y) <= 1e-6 * max(1.0, abs(y))
 
 
 def same_output(got, expected):
     """stdout against the expected output: line by line, ignoring surrounding whitespace and trailing
-    blank lines; numbers within 1e-6 (relative above 1) compare equal (LiveCodeBench's grader compares
-    decimals exactly: a float printed with other rounding can pass here and fail there)."""
+    blank lines; integers compare exactly, decimals within 1e-6 (relative above 1) (LiveCodeBench's
+    grader compares decimals exactly: a float printed with other rounding can pass here and fail there)."""
     a, b = got.strip().splitlines(), expected.strip().splitlines()
     if len(a) != len(b):
         return False
@@ -962,9 +1031,12 @@ def same_output(got, expected):
 
 
 def _close_json(a, b):
-    """JSON values equal, floats within 1e-6 (relative above 1); True is not 1 (as in _same_json)."""
+    """JSON values equal: two integers exactly, a float within 1e-6 (relative above 1); True is not 1
+    (as in _same_json)."""
     if isinstance(a, bool) or isinstance(b, bool):
         return type(a) is type(b) and a == b
+    if isinstance(a, int) and isinstance(b, int):
+        return a == b
     if isinstance(a, (int, float)) and isinstance(b, (int, float)):
         return a == b or abs(a - b) <= 1e-6 * max(1.0, abs(b))
     if isinstance(a, list) and isinstance(b, list):
@@ -1038,7 +1110,7 @@ def _code_job(response, answer):
     """(Job or None, (score, feedback) when there is nothing to run, scorer(results) -> (score, feedback))."""
     from data.sandbox import Job, Limits
     tests, fn_name, timeout, fraction, expression = _code_reference(answer)
-    program, status = expression_program(response, expression) if expression else code_block(response)
+    program, status = expression_program(response, expression) if expression else code_block(response, code_entry(answer))
     if status == "unclosed":
         return None, (0.0, TRUNCATED_FEEDBACK), None
     if status == "invalid":

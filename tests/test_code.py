@@ -102,9 +102,24 @@ def test_the_program_is_the_last_python_block_and_missing_or_cut_off_code_is_sai
     assert train.reward("code", "```python\nprint(", ADD) == (0.0, C.TRUNCATED_FEEDBACK)
 
 
+def test_a_call_test_runs_the_block_that_defines_the_function_not_a_later_example_block():
+    """"Example usage: print(add(1, 2))" after the solution was the last Python block, run alone: NameError."""
+    calls = json.dumps({"fn_name": "add", "tests": [{"input": "1\n2", "output": "3"}]})
+    example = py("def add(a, b):\n    return a + b") + "Example usage:\n" + py("print(add(1, 2))  # 3")
+    assert train.reward("code", example, calls) == (1.0, None)
+    assert C.final_answer("code", example, calls).startswith("def add")
+    humaneval = json.dumps({"tests": [{"assert": "def check(candidate):\n    assert candidate(1, 2) == 3\n\ncheck(add)\n"}]})
+    assert C.code_entry(humaneval) == "add" and train.reward("code", example, humaneval) == (1.0, None)
+    assert train.reward("code", py("def add(a, b):\n    return a - b") + py("print(add(1, 2))"), calls)[0] == 0.0
+
+
 def test_stdout_compares_lines_ignoring_trailing_space_and_float_noise():
     assert C.same_output("1 2  \n3\n\n", "1 2\n3")
     assert C.same_output("0.30000000000000004\n", "0.3\n")
+    # integers exactly: a count or a residue mod 1e9+7 off by one is wrong at any size ("007" is still 7)
+    assert not C.same_output("1000000006\n", "1000000007\n") and not C.same_output("123456800", "123456789")
+    assert C.same_output("007 -0\n", "7 0\n") and not C.same_output("1_000", "1000")
+    assert not C._same_value("1000000006", "1000000007") and C._same_value("2.0", "2")
     assert not C.same_output("1 2\n", "1 2\n3\n") and not C.same_output("12\n", "1 2\n") and not C.same_output("", "0")
 
 

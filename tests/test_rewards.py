@@ -39,6 +39,13 @@ EQUAL = [
     ("(-1/3,2/3,5/3)", "\\begin{pmatrix} -1/3 \\\\ 2/3 \\\\ 5/3 \\end{pmatrix}"), ("9^{9^9}", "9^{9^{9}}"),
     ("\u03c0/2", "\\frac{\\pi}{2}"), ("\u22122", "-2"), ("52_8", "52_{8}"),
     ("10^{-13}", "0.0000000000001"), ("2 \\cdot 10^{-13}", "0.0000000000002"), ("0", "0.0"),
+    # LaTeX's {,} thousands separator; solution lists joined by "or" / "and"; a unary +\infty; "AB =", "f(2) =",
+    # "5 = x"; a unit and a period; sqrt of a negative constant (the sign of -4's zero imaginary part)
+    ("70{,}000", "70000"), ("\\$1{,}000{,}000", "1000000"), ("x = -2 \\text{ or } x = 1", "-2,1"),
+    ("-2 \\text{ and } 1", "1,-2"), ("3, 5, \\text{ and } 7", "3,5,7"), ("x=3 \\text{ or } x=5", "3, 5"),
+    ("(5, +\\infty)", "(5,\\infty)"), ("(-\\infty, 2) \\cup (3, +\\infty)", "(-\\infty,2)\\cup(3,\\infty)"),
+    ("AB = 5", "5"), ("BC=2\\sqrt{3}", "2\\sqrt3"), ("f(2) = 5", "5"), ("5 = x", "x=5"),
+    ("18\\text{ dollars}.", "18"), ("2i", "\\sqrt{-4}"), ("\\frac{-1+i\\sqrt{3}}{2}", "\\frac{-1+\\sqrt{-3}}{2}"),
 ]
 DIFFERENT = [
     ("431", "432"), ("0.33", "\\frac{1}{3}"), (".0000673", ".0000672"), ("(3,4)", "(3,4]"), ("[3,4]", "(3,4]"),
@@ -47,6 +54,10 @@ DIFFERENT = [
     ("5x-7y+11z+5=0", "5x - 7y + 11z + 4 = 0"), ("1", "10"), ("", "5"), ("52_8", "52_9"), ("2^{2^{2^{100}}}", "5"),
     ("10^{400}", "10^{400}+1 \\cdot 0 + 1"),
     ("10^{-13}", "0"), ("0.0000000000001", "0"), ("10^{-13}", "1.0000001 \\cdot 10^{-13}"), ("-10^{-30}", "10^{-30}"),
+    # an integer off by one at 1e9 (a 1e-9 tolerance took it), the conjugate root, two typed numbers are
+    # not one with a thousands separator, an equation whose right side is a variable is not "5 = x"
+    ("10^9 - 1", "1000000000"), ("2^{30}-1", "1073741824"), ("1073741823", "2^{30}"), ("-2i", "\\sqrt{-4}"),
+    ("\\frac{-1-i\\sqrt{3}}{2}", "\\frac{-1+\\sqrt{-3}}{2}"), ("2100", "2, 100"), ("x+y=w", "x+y=z"),
 ]
 
 
@@ -87,6 +98,8 @@ def test_math_feedback():
     ("<answer>A</answer> no wait <answer>B</answer>", 1.0), ("\\boxed{B}", 1.0), ("\\boxed{\\text{B}}", 1.0),
     ("The answer is (B).", 1.0), ("Answer: **B**", 1.0), ("answer: B", 1.0), ("<answer>C</answer>", 0.0),
     ("<answer>B: 1.69</answer>", 0.0), ("The answer is Benzene", 0.0), ("B", 0.0), ("<answer>\nB", 0.0),
+    ("<answer>$B$</answer>", 1.0), ("<answer>\n\\boxed{B}\n</answer>", 1.0), ("<answer>$\\boxed{B}$</answer>", 1.0),
+    ("<answer>$\\boxed{C}$</answer>", 0.0),
 ])
 def test_mcq(response, score):
     assert reward("mcq", response, "B")[0] == score
@@ -149,13 +162,31 @@ def test_tool_feedback():
     assert reward("tool", "Action: getRandom\nAction Input: {}", '[{"Action": "getRandom", "Action_Input": "{}"}]') == (1.0, None)
 
 
+def test_tool_calls_match_as_name_and_arguments_pairs_in_any_order():
+    """A repeated action's calls in another order are the same calls (merged Action Inputs made them
+    differ), and its last call written twice is not the two calls (merging let it pass)."""
+    ref = json.dumps([{"Action": "addItem", "Action_Input": "{\"item\": \"milk\", \"n\": 2}"},
+                      {"Action": "addItem", "Action_Input": "{\"item\": \"eggs\", \"n\": 12}"}])
+
+    def calls(*items):
+        return "".join(f"Action: addItem\nAction Input: {{\"item\": \"{item}\", \"n\": {n}}}\nObservation: ok\n"
+                       for item, n in items)
+    assert reward("tool", calls(("milk", 2), ("eggs", 12)), ref) == (1.0, None)
+    assert reward("tool", calls(("eggs", 12), ("milk", 2)), ref) == (1.0, None)
+    assert reward("tool", calls(("eggs", 12), ("eggs", 12)), ref)[0] == 0.0
+    assert reward("tool", calls(("milk", 12), ("eggs", 2)), ref)[0] == 0.0
+    split = json.dumps([{"Action": "a", "Action_Input": "{\"x\": 1}"}, {"Action": "b", "Action_Input": "{\"y\": 2}"}])
+    moved = "Action: a\nAction Input: {\"x\": 1, \"y\": 2}\nAction: b\nAction Input: {}"  # merged, the same
+    assert reward("tool", moved, split) == (0.0, "The Action Input arguments do not match the calls they belong to.")
+
+
 def test_numeric_equality_is_relative_at_every_magnitude():
-    """|x - y| <= 1e-9 max(|x|, |y|): 10^{-13} and the plain 0.0000000000001 both differ from 0 (an
+    """|x - y| <= 1e-12 max(|x|, |y|): 10^{-13} and the plain 0.0000000000001 both differ from 0 (an
     absolute floor made the first equal 0 while the exact comparison kept the second apart)."""
     for small in ("10^{-13}", "0.0000000000001", "\\frac{1}{10^{13}}"):
         assert not R.math_equal(small, "0") and not R.math_equal("0", small)
         assert all(R.math_equal(small, other) for other in ("10^{-13}", "0.0000000000001", "\\frac{1}{10^{13}}"))
-    assert R.math_equal("10^{20}", "10^{20}+1")  # within 1e-9 relative: the same float sum
+    assert R.math_equal("10^{20}", "10^{20}+1")  # within 1e-12 relative: the same float sum
     assert not R.math_equal("10^{20}", "1.00000001 \\cdot 10^{20}")
 
 

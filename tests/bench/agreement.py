@@ -51,12 +51,15 @@ def _bumped(a):
 
 
 def _reformatted(a):
-    """The same answer written differently: 3/4 for \\frac{3}{4}, 27.0 for 27, else $\\dfrac$, no \\left."""
+    """The same answer written differently: 3/4 for \\frac{3}{4}, 27.0 for 27, 58{,}500 for 58,500 (LaTeX's
+    thousands separator), else $\\dfrac$, no \\left, a space after each comma (in a tuple or a list)."""
     m = re.fullmatch(r"(-?)\\frac\{(\d+)\}\{(\d+)\}", a)
     if m:
         return f"{m.group(1)}{m.group(2)}/{m.group(3)}"
     if re.fullmatch(r"-?\d+", a):
         return a + ".0"
+    if re.fullmatch(r"-?\d{1,3}(?:,\d{3})+", a):  # "58, 500" would be two numbers
+        return a.replace(",", "{,}")
     return "$" + a.replace("\\frac", "\\dfrac").replace("\\left", "").replace("\\right", "").replace(",", ", ") + "$"
 
 
