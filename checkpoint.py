@@ -437,18 +437,25 @@ class TrainState:
     stage_iter: int = 0  # steps into the current stage
     accuracy_matrix: dict = None  # eval_sets, stages, rows (one per finished stage), base (the initial model's row)
     guard: metrics.Guard = None  # the collapse guard's memory, from the first eval on
+    base_fingerprint: list = None  # models.base_fingerprint of base_init when the run rereads it (check_base)
 
     def to_json(self, cfg):
         return {"iter": self.iter, "stage": self.stage, "stage_iter": self.stage_iter,
                 "accuracy_matrix": self.accuracy_matrix, "base_init": self.base_init, "world": self.world,
-                "data": self.data, "data_rng": self.data_rng.getstate(), "guard": asdict(self.guard), "config": cfg}
+                "data": self.data, "data_rng": self.data_rng.getstate(), "guard": asdict(self.guard), "config": cfg,
+                "base_fingerprint": self.base_fingerprint}
 
     def restore(self, saved, generator_state):
-        """A checkpoint's state.json (checked by read_state) and this rank's sampling RNG."""
+        """A checkpoint's state.json (checked by read_state) and this rank's sampling RNG; False when that
+        RNG state is another device type's (a CPU generator's cannot drive a CUDA one, nor the reverse)."""
         self.iter, self.stage, self.stage_iter = saved["iter"], saved["stage"], saved["stage_iter"]
         self.accuracy_matrix, self.guard = saved["accuracy_matrix"], metrics.Guard(**saved["guard"])
         self.data_rng.setstate(tuple(tuple(x) if isinstance(x, list) else x for x in saved["data_rng"]))
-        self.generator.set_state(generator_state)
+        try:
+            self.generator.set_state(generator_state)
+        except RuntimeError:  # "Expected a CPUGeneratorImplState of size 5056" (a CUDA state is 16 bytes)
+            return False
+        return True
 
 
 # what resuming reads from state.json, by type (a dotted key is inside the one before its dot)
@@ -487,6 +494,42 @@ def check_same_run(state, world, data):
             raise UserError(f"init_from=resume: {key} in data_dir is not the file this run trained on (size "
                             f"{state['data'][key].get('size')} -> {data[key]['size']} bytes, another sha256): point "
                             "--data_dir at the run's data, or start a new out_dir")
+
+
+def check_base(state, initial_model):
+    """A resumed run rereads its initial model (the KL reference, a frozen / trust-region teacher, an
+    'initial' stage reset) from base_init: refuse it when those weights changed since the run began
+    (the folder was trained further or replaced, a hub revision moved); older checkpoints, without a
+    fingerprint, are not checked."""
+    saved = state.base_fingerprint
+    if saved is not None and not (isinstance(saved, list) and len(saved) == 2 and all(isinstance(x, float) for x in saved)):
+        raise UserError(f"{state.base_init}: the checkpoint's base_fingerprint is {str(saved)[:40]}, not two numbers "
+                        "(damaged, or not written by this train.py): the checkpoint cannot be resumed")
+    if saved is not None and not all(math.isclose(a, b, rel_tol=1e-6)  # sums in another order: not bit-exact
+                                     for a, b in zip(saved, base_fingerprint(initial_model))):
+        raise UserError(f"init_from=resume: {state.base_init}, this run's initial model, holds other weights than when "
+                        "the run began (it changed since): restore that model, or start a new out_dir")
+
+
+def check_init_outside(init, out_dir, overwrite):
+    """A fresh run from a checkpoint inside out_dir with --overwrite=True would remove the model it starts
+    from (and its own checkpoints would take that path, which a resume rereads as the initial model)."""
+    inside = os.path.realpath(init).startswith(os.path.realpath(out_dir) + os.sep)
+    if overwrite and init != "scratch" and os.path.exists(init) and inside:
+        raise UserError(f"init_from={init} is inside out_dir={out_dir}, which --overwrite=True empties: copy the "
+                        "checkpoint out of it first, or give this run another out_dir")
+
+
+def redo_keep_as_good(ckpt_dir, good_dir, saved):
+    """ckpt/ passed the collapse guard (its guard.good is its own iteration) but the run stopped before
+    ckpt_good/ became it: link it now, so that ckpt_good/ is the checkpoint the guard names."""
+    if saved["guard"]["good"].get("iter") != saved["iter"]:
+        return
+    with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+        with open(os.path.join(good_dir, "trainer", "state.json"), encoding="utf-8") as f:
+            if json.load(f)["iter"] == saved["iter"]:
+                return
+    keep_as_good(ckpt_dir, good_dir)
 
 
 def kept_eval_sets(matrix, eval_names, say):

@@ -128,14 +128,21 @@ def non_finite(value):
     'Infinity'): either would only surface, if at all, as a NaN loss hours into a run."""
     if isinstance(value, float):
         return not math.isfinite(value)
+    if isinstance(value, int) and not isinstance(value, bool):  # 10**400 has no float
+        return abs(value) > sys.float_info.max
     return isinstance(value, str) and value.strip().lower().lstrip("+-") in NON_FINITE_WORDS
+
+
+def _short(value, n=40):
+    text = repr(value)
+    return text if len(text) <= n else text[:n] + "..."
 
 
 def coerce(key, value, default, where):
     """Return value if it has the default's type (int accepted for float) and, for a float, is
     finite; else exit naming the key."""
     if isinstance(default, float) and non_finite(value):
-        raise SystemExit(f"error: {where}: {key}={value!r} must be a finite number like the default {default!r}")
+        raise SystemExit(f"error: {where}: {key}={_short(value)} must be a finite number like the default {default!r}")
     if isinstance(default, float) and type(value) is int:
         return float(value)
     if type(value) is not type(default):

@@ -609,10 +609,15 @@ def merged_state_dict(model):
 
 @torch.no_grad()
 def base_fingerprint(model):
-    """Two numbers that change when a LoRA model's frozen base does: the sum and the sum of squares of
-    its weights rounded to bf16 (so fp32 and bf16 copies of one base agree), in float64."""
-    base = [p.detach().to(torch.bfloat16).double() for n, p in model.named_parameters() if ".lora_" not in n]
-    return [torch.stack([t.sum() for t in base]).sum().item(), torch.stack([t.square().sum() for t in base]).sum().item()]
+    """Two numbers that change when a model's weights do (a LoRA model's: its frozen base): the sum and
+    the sum of squares of its weights rounded to bf16 (so fp32 and bf16 copies of one model agree), in
+    float64. One tensor at a time: a float64 copy of a whole 4B model would be 32 GB."""
+    total, squares = 0.0, 0.0
+    for n, p in model.named_parameters():
+        if ".lora_" not in n:
+            t = p.detach().to(torch.bfloat16).double()
+            total, squares = total + t.sum().item(), squares + t.square().sum().item()
+    return [total, squares]
 
 
 def adapter_tensors(model):

@@ -10,6 +10,7 @@ from typing import NamedTuple
 
 import torch
 
+from configurator import UserError
 from models import adapter_copy, frozen_copy, lm_head, load_model, lora_layers, shared_prompt_hidden
 from runtime import is_sharded, local, shard_like
 
@@ -79,9 +80,9 @@ class Teacher:
         return KINDS[kind].reads_initial
 
     @classmethod
-    def create(cls, cfg, model, initial_model, load_dev, resume):
+    def create(cls, cfg, model, initial_model, teacher_init=None):
         """The run's teacher (None unless algo='sdpo'); a resumed run loads its own copy afterwards.
-        load_dev: where teacher_init is loaded (runtime.load_device: the CPU under parallel=fsdp)."""
+        teacher_init: a fresh run's load_teacher_init model, mixed into the teacher's own copy."""
         if cfg["algo"] != "sdpo":
             return None
         own = None
@@ -91,10 +92,9 @@ class Teacher:
             own = adapter_copy(model)
         elif KINDS[cfg["teacher"]].own_copy:
             own = frozen_copy(initial_model if initial_model is not None else model)
-            if cfg["teacher_init"] and not resume:
+            if teacher_init is not None:
                 # θ_T ← (1 − a)·θ_T + a·θ_init: the EMA update's formula, applied once (shard by shard when sharded)
-                init = load_model(cfg["teacher_init"], load_dev, scratch=cfg, with_tokenizer=False)[0]
-                ema_update(own, shard_like(init, own) if is_sharded(own) else init, cfg["teacher_init_alpha"])
+                ema_update(own, shard_like(teacher_init, own) if is_sharded(own) else teacher_init, cfg["teacher_init_alpha"])
         return cls(cfg["teacher"], cfg["teacher_rate"], own=own,
                    initial=initial_model if cfg["teacher"] == "trust_region" else None)
 
@@ -142,6 +142,22 @@ class Teacher:
     def eval_model(self, student):
         """The model scored at eval reading the reference solution (None: this kind is not scored)."""
         return self.own if KINDS[self.kind].own_copy else {"live": student}.get(self.kind)
+
+
+def load_teacher_init(cfg, student, load_dev):
+    """A fresh run's teacher_init model (None without one), loaded on load_dev (the CPU under
+    parallel=fsdp) before the run touches out_dir, and refused in one line unless its parameters
+    have the student's names and shapes (the EMA formula mixes them one by one)."""
+    if not cfg["teacher_init"]:
+        return None
+    init = load_model(cfg["teacher_init"], load_dev, scratch=cfg, with_tokenizer=False)[0]
+    want = {n: tuple(p.shape) for n, p in student.named_parameters()}
+    got = {n: tuple(p.shape) for n, p in init.named_parameters()}
+    if got != want:
+        differ = next((n for n in want if got.get(n) != want[n]), None) or next(n for n in got if n not in want)
+        raise UserError(f"teacher_init={cfg['teacher_init']} is not the student's architecture ({differ}: "
+                        f"{got.get(differ)} vs the student's {want.get(differ)}): give a checkpoint of the same model")
+    return init
 
 
 @torch.no_grad()

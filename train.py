@@ -90,11 +90,11 @@ from metrics import Collapse, accuracy_summary
 from data import checkers, tasks as task_files
 from decoding import (StepMemory, decode_weights, forward_with_cache, frozen_flags, new_cache, static_decoding,
                       use_static_rollout)
-from models import (base_view, check_lora_settings, context_length, disable_dropout, enable_grad_checkpointing, eval_mode,
+from models import (base_fingerprint, base_view, check_lora_settings, context_length, disable_dropout, enable_grad_checkpointing, eval_mode,
                     fit_prompt, fit_tasks, frozen_copy, has_chat_template, lm_head, load_model, load_student, pad_batch,
                     prompt_budget, prompt_ids, response_hidden, stop_token_ids, takes_position_ids)
 from runtime import Dist, amp_dtype, fp32_out_bmm, fp32_out_mm, full_state_dict, gathered, leave, make_autocast
-from teacher import KINDS as TEACHER_KINDS, Teacher
+from teacher import KINDS as TEACHER_KINDS, Teacher, load_teacher_init
 
 # ----------------------------------------------------------------------------- defaults
 # Every line `name = value  # help` below is a config key: config files and --name=value
@@ -228,6 +228,9 @@ def check_config(cfg):
     if cfg["dtype"] == "float16":  # per-token gradients (~1e-9) flush to zero in fp16 without loss scaling
         raise UserError("dtype=float16 is not supported (no loss scaling: its small gradients flush to zero): use bfloat16")
     check_values(cfg, choices=CHOICES, ranges=RANGES, positive=POSITIVE, non_negative=NON_NEGATIVE)
+    for key in ("beta1", "beta2"):  # AdamW's own check would come after out_dir is taken over
+        if not 0 <= cfg[key] < 1:
+            raise UserError(f"{key}={cfg[key]} is out of range [0, 1)")
     if not 0 <= cfg["min_lr"] <= cfg["learning_rate"]:
         raise UserError(f"min_lr={cfg['min_lr']} must be in [0, learning_rate={cfg['learning_rate']}]")
     if cfg["algo"] != "sft" and cfg["group_size"] < 2:
@@ -964,7 +967,7 @@ def setup(cfg, ddp, stack):
     dev, out_dir = ddp.device, cfg["out_dir"]
     ckpt_dir, resume = os.path.join(out_dir, "ckpt"), cfg["init_from"] == "resume"
     stages = parse_stages(cfg["stages"], cfg["dataset"], cfg["max_iters"])
-    eval_names = list(dict.fromkeys([s for s in cfg["eval_sets"].split(",") if s] or
+    eval_names = list(dict.fromkeys([s.strip() for s in cfg["eval_sets"].split(",") if s.strip()] or
                                     [n for name, _ in stages for n in name.split("+")]))
     train_tasks = {name: load_tasks(name, "train", cfg["data_dir"], need_solution=cfg["algo"] == "sft") for name, _ in stages}
     eval_tasks = {name: load_tasks(name, "test", cfg["data_dir"])[:cfg["eval_max_prompts"] or None] for name in eval_names}
@@ -977,9 +980,16 @@ def setup(cfg, ddp, stack):
     log = metrics.RunLog(out_dir, cfg["log_jsonl"], None, ddp.master)
     random.seed(cfg["seed"])
     torch.manual_seed(cfg["seed"])
+    if resume and checkpoint.newest_complete(ckpt_dir) is None:  # before take_over creates out_dir
+        checkpoint.read_state(ckpt_dir)  # its one line: not a checkpoint
+    teacher_init = base_print = None
     if not resume:
+        checkpoint.check_init_outside(cfg["init_from"], out_dir, cfg["overwrite"])
         model, tokenizer = load_student(cfg["init_from"], ddp.load_device, cfg)  # fsdp: on the CPU, until sharded
         eval_demos = fit_prompts(train_tasks, eval_tasks, model, tokenizer, cfg, log)
+        teacher_init = load_teacher_init(cfg, model, ddp.load_device)
+        if needs_initial_model(cfg) and not cfg["lora_rank"]:  # a resume rereads it: then checked against this
+            base_print = base_fingerprint(model)
     if ddp.master:  # from here on, this run owns out_dir (a fresh run's inputs are all checked by now)
         for note in stack.enter_context(checkpoint.take_over(out_dir, resume, cfg["overwrite"])):
             log.say(note)
@@ -989,6 +999,8 @@ def setup(cfg, ddp, stack):
         checkpoint.check_same_run(saved, ddp.world, data)
         checkpoint.check_resume(saved["config"], cfg, parse_stages(saved["config"]["stages"], saved["config"]["dataset"],
                                 saved["config"]["max_iters"]), stages, saved)  # may reopen the last stage in `saved`
+        if ddp.master:  # a crash between saving ckpt/ and linking it as ckpt_good/
+            checkpoint.redo_keep_as_good(ckpt_dir, ckpt_dir + "_good", saved)
         eval_names = checkpoint.kept_eval_sets(saved["accuracy_matrix"], eval_names, log.say)
         eval_tasks = {n: eval_tasks[n] for n in eval_names}
         model, tokenizer = load_student(saved["base_init"] if cfg["lora_rank"] else ckpt_dir, ddp.load_device, cfg)  # LoRA: + adapter/
@@ -996,7 +1008,7 @@ def setup(cfg, ddp, stack):
     # the guard's memory starts at the first eval (train_loop); a resumed run's comes with the rest
     state = checkpoint.TrainState(generator=make_generator(cfg["seed"] + ddp.rank, dev), data_rng=random.Random(cfg["seed"]),
                                   base_init=saved["base_init"] if resume else cfg["init_from"], world=ddp.world,
-                                  data=data)
+                                  data=data, base_fingerprint=saved.get("base_fingerprint") if resume else base_print)
     note = None if resume else checkpoint.source_note(cfg["init_from"])  # another run's checkpoint: which iteration
     if note:
         log.say(note)
@@ -1014,18 +1026,25 @@ def setup(cfg, ddp, stack):
         initial_model = (base_view(model) if cfg["lora_rank"] else
                          load_model(state.base_init, ddp.load_device, scratch=cfg)[0].eval().requires_grad_(False) if resume
                          else frozen_copy(model))  # resume: reread base_init; fresh: copy the student just loaded
+    if resume and initial_model is not None and not cfg["lora_rank"]:
+        checkpoint.check_base(state, initial_model)  # the model base_init names now is the one the run started from
     ddp.shard(initial_model, param_dtype=param_dtype)  # (a resumed run's, loaded on the CPU)
-    teacher = Teacher.create(cfg, model, initial_model, ddp.load_device, resume)
+    teacher = Teacher.create(cfg, model, initial_model, teacher_init)
+    del teacher_init
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg["learning_rate"],  # LoRA: adapters
                                   betas=(cfg["beta1"], cfg["beta2"]), weight_decay=cfg["weight_decay"])
     if resume:
         rng = checkpoint.load_trainer(ckpt_dir, saved, model, optimizer, teacher and teacher.own)
-        state.restore(saved, rng[f"sampling.{ddp.rank}"])
+        if not state.restore(saved, rng[f"sampling.{ddp.rank}"]):  # moved between a CPU and a GPU
+            state.generator.manual_seed(cfg["seed"] + ddp.rank + 1_000_003 * state.iter)
+            log.say(f"note: the checkpoint's sampling RNG is another device type's than {dev.type}'s: reseeded, so "
+                    "the rollouts from here on differ from those an uninterrupted run would sample")
         if ddp.master:
             for name in ("log.jsonl", "samples.jsonl"):  # the iterations after the checkpoint are redone
                 checkpoint.truncate_log(os.path.join(out_dir, name), state.iter)
-        log.say(f"resumed from {ckpt_dir} at iteration {state.iter} (stage {state.stage + 1}/{len(stages)}, step "
-                f"{state.stage_iter})")
+        where = (f"stage {state.stage + 1}/{len(stages)}, step {state.stage_iter}" if state.stage < len(stages)
+                 else "every stage done")
+        log.say(f"resumed from {ckpt_dir} at iteration {state.iter} ({where})")
     if wandb:
         log.wandb = wandb.init(project=cfg["wandb_project"], name=cfg["wandb_run_name"], config=cfg)
     return Run(model=model, tokenizer=tokenizer, optimizer=optimizer, teacher=teacher, initial_model=initial_model,
@@ -1178,7 +1197,7 @@ def train_loop(run, cfg, ddp):
     if cfg["stages"]:  # the stages name their datasets and iterations: a max_iters or dataset given beside them is unused
         run.log.say(f"stages {', '.join(f'{n}:{i}' for n, i in run.stages)}: {total_iters} iterations "
                     f"(with stages set, max_iters={cfg['max_iters']} and dataset={cfg['dataset']} are not used)")
-    if state.iter == 0:  # the initial model: the guard's first bests, and ckpt_good until an eval passes
+    if state.accuracy_matrix is None:  # the initial model: the guard's first bests, and ckpt_good until an eval passes
         base = score_and_log_eval_sets(run, cfg, ddp, "start")[0]
         state.accuracy_matrix = {"eval_sets": run.eval_names, "stages": [], "rows": [], "base": base}
         state.guard = metrics.Guard(best=dict(base))

@@ -113,7 +113,8 @@ def test_config_file_with_unknown_key_or_wrong_type(tmp_path):
 def test_out_of_range_values_are_refused():
     for key, value in (("density", 0.0), ("density", 1.5), ("alpha", -0.1), ("algo", "ppo"), ("teacher", "moving"),
                        ("group_size", 1), ("stages", "toy/add"), ("temperature", 0.0), ("topk", 0),
-                       ("min_lr", 1.0), ("gen_batch_size", -8), ("warmup_iters", -1), ("clip_low", -0.2)):
+                       ("min_lr", 1.0), ("gen_batch_size", -8), ("warmup_iters", -1), ("clip_low", -0.2),
+                       ("beta1", 1.5), ("beta2", 1.0), ("beta2", -0.1)):  # AdamW's own check came after out_dir
         cfg = dict(defaults(), **{key: value})
         with pytest.raises(train.UserError, match=key):
             train.check_config(cfg)
@@ -203,7 +204,7 @@ def test_non_finite_floats_are_refused_on_the_command_line():
     for arg, key in (("--learning_rate=1e400", "learning_rate"), ("--density=nan", "density"),
                      ("--density=inf", "density"), ("--density=-inf", "density"), ("--alpha=+inf", "alpha"),
                      ("--alpha=Infinity", "alpha"), ("--alpha=-infinity", "alpha"), ("--alpha=NaN", "alpha"),
-                     ("--density=-1e400", "density")):
+                     ("--density=-1e400", "density"), ("--learning_rate=1" + "0" * 400, "learning_rate")):
         message = configure_error(arg)
         assert len(message.splitlines()) == 1 and f"{key}=" in message and "finite number" in message, (arg, message)
 
@@ -217,7 +218,7 @@ def test_non_finite_float_through_the_command_line():
 
 def test_non_finite_floats_in_a_config_file_are_refused(tmp_path):
     for text in ("density = float('nan')\n", "density = 1e400\n", "density = -float('inf')\n", "density = 'nan'\n",
-                 "import math\ndensity = math.inf\n"):
+                 "import math\ndensity = math.inf\n", "density = 10**400\n"):  # an int too large for a float
         message, path = config_file_error(tmp_path, text)
         assert path in message and "density=" in message and "finite number" in message, (text, message)
 

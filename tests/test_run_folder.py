@@ -18,6 +18,7 @@ import huggingface_hub.constants
 import pytest
 import torch
 from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 
 from conftest import (ROOT, RUN, TINY, assert_resume_continues_exactly, cli_cfg, copy_of, defaults, listing, one_line_error,
                       read_log, run_train, run_train_here, tiny_cfg)
@@ -423,6 +424,103 @@ def test_resume_from_something_that_is_not_a_checkpoint(tmp_path, toy_data):
     (tmp_path / "ckpt").mkdir()
     proc = run_train_here(f"--out_dir={tmp_path}", "--init_from=resume")
     assert proc.returncode != 0 and "ckpt" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    typo = tmp_path / "typo" / "run"  # a mistyped out_dir: one line, and no folder made for it
+    proc = run_train_here(f"--out_dir={typo}", "--init_from=resume")
+    assert proc.returncode != 0 and "not a nanoSDPO checkpoint" in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "typo").exists()
+
+
+def test_a_resume_refuses_an_initial_model_that_changed_since_the_run_began(finished_run, tmp_path):
+    """A run with kl_coef (or a frozen / trust-region teacher, an 'initial' reset) rereads its initial model
+    from init_from on resume; trained further or replaced since, it would be another KL reference, silently."""
+    base = copy_of(finished_run, tmp_path) / "ckpt"
+    run = tmp_path / "grpo"
+    grpo = [f"--out_dir={run}", "--algo=grpo", "--kl_coef=0.1", "--success_threshold=0.0"]
+    train.main(cli_cfg(*grpo, f"--init_from={base}", "--max_iters=1"))
+    train.main(cli_cfg(*grpo, "--init_from=resume", "--max_iters=2"))  # the same base: resumes
+    weights = load_file(str(base / "model.safetensors"))
+    name = next(iter(weights))
+    save_file(dict(weights, **{name: weights[name] + 0.01}), str(base / "model.safetensors"))
+    before = listing(run)
+    with pytest.raises(train.UserError, match="holds other weights than when the run began") as e:
+        train.main(cli_cfg(*grpo, "--init_from=resume", "--max_iters=3"))
+    assert "\n" not in str(e.value) and str(base) in str(e.value)
+    assert listing(run) == before
+
+
+def test_a_fresh_run_from_a_checkpoint_inside_out_dir_cannot_overwrite_it(finished_run, tmp_path):
+    """--overwrite=True would delete the model the run starts from, and its own checkpoints would take that
+    path: a resume would reread them as the initial model."""
+    out = copy_of(finished_run, tmp_path)
+    before = listing(out)
+    with pytest.raises(train.UserError, match="inside out_dir") as e:
+        train.main(cli_cfg(f"--out_dir={out}", "--overwrite=True", f"--init_from={out / 'ckpt'}"))
+    assert "\n" not in str(e.value) and listing(out) == before
+
+
+def test_a_teacher_init_that_is_missing_or_another_model_changes_nothing(finished_run, tmp_path, monkeypatch):
+    """teacher_init is loaded, and its shapes checked, before the run takes out_dir over (--overwrite=True
+    once removed the earlier run first, then failed)."""
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    other = tmp_path / "wider"
+    models.load_model("scratch", "cpu", scratch=dict(cli_cfg(), n_embd=64))[0].save_pretrained(other)
+    out = copy_of(finished_run, tmp_path)
+    before = listing(out)
+    for init, says in ((tmp_path / "no-such-model", "no-such-model"), (other, "is not the student's architecture")):
+        with pytest.raises(train.UserError, match=says) as e:
+            train.main(cli_cfg(f"--out_dir={out}", "--overwrite=True", "--algo=sdpo", "--teacher=ema",
+                               f"--teacher_init={init}"))
+        assert "\n" not in str(e.value)
+        assert listing(out) == before, init
+
+
+def test_a_resume_after_a_crash_before_ckpt_good_was_linked_links_it(finished_run, tmp_path, capsys):
+    """The guard passed ckpt/ (its guard.good is its own iteration) and the run died before ckpt_good/ became
+    it: the collapse message would name an iteration ckpt_good/ does not hold. The next start links it."""
+    out = copy_of(finished_run, tmp_path)
+    good = out / "ckpt_good" / "trainer" / "state.json"
+    state = json.loads(good.read_text())
+    assert state["guard"]["good"]["iter"] == state["iter"] == 2
+    good.unlink()  # a hard link of ckpt/'s: a file of its own, for an earlier checkpoint
+    good.write_text(json.dumps(dict(state, iter=1)))
+    resumed(out)
+    assert json.loads(good.read_text())["iter"] == 2
+    assert "at iteration 2 (every stage done)" in capsys.readouterr().out
+
+
+def test_a_resume_on_another_device_type_reseeds_its_sampling_and_says_so(finished_run, tmp_path, capsys):
+    """A CUDA generator's state (16 bytes) cannot drive a CPU generator (5056), nor the reverse: a run moved
+    between a GPU and a CPU (device is resumable) reseeds with a note instead of a traceback."""
+    out = copy_of(finished_run, tmp_path)
+    path = str(out / "ckpt" / "trainer" / "optimizer.safetensors")
+    tensors = load_file(path)
+    save_file(dict(tensors, **{"rng.sampling.0": torch.zeros(16, dtype=torch.uint8)}), path)
+    resumed(out, "--max_iters=3")
+    assert "another device type" in capsys.readouterr().out
+    assert [r["iter"] for r in read_log(out) if "loss" in r] == [1, 2, 3]
+
+
+def test_a_resume_from_the_first_checkpoint_does_not_score_the_initial_model_twice(toy_data, tmp_path, monkeypatch):
+    """A run killed after its iteration-0 checkpoint: the resume keeps that checkpoint's start eval (one
+    "start" record in log.jsonl, one wandb step) instead of scoring the initial model again."""
+    out = tmp_path / "run"
+
+    def killed(*args, **kwargs):
+        raise KeyboardInterrupt
+    with monkeypatch.context() as m:
+        m.setattr(train, "optimizer_step", killed)
+        with pytest.raises(KeyboardInterrupt):
+            train.main(tiny_cfg(toy_data, out))
+    assert checkpoint.read_state(str(out / "ckpt"))["iter"] == 0
+    train.main(tiny_cfg(toy_data, out, init_from="resume"))
+    assert [r["eval_tag"] for r in read_log(out) if "eval_tag" in r] == ["start", "end of stage 1"]
+    assert [r["iter"] for r in read_log(out) if "loss" in r] == [1, 2]
+
+
+def test_eval_sets_may_be_listed_with_spaces_as_stages_may(toy_data, tmp_path):
+    train.main(tiny_cfg(toy_data, tmp_path / "run", eval_sets="toy/add, toy/sub", max_iters=1))
+    with open(tmp_path / "run" / "accuracy_matrix.json") as f:
+        assert json.load(f)["eval_sets"] == ["toy/add", "toy/sub"]
 
 
 @pytest.mark.parametrize("damage", ["truncated model", "truncated optimizer", "half-written state", "no teacher"])

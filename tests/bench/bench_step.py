@@ -79,7 +79,7 @@ class Runner:
         self.initial = None
         if (algo == "sdpo" and train.Teacher.needs_initial(cfg["teacher"])) or cfg["kl_coef"] > 0:
             self.initial = models.frozen_copy(self.model)
-        self.teacher = train.Teacher.create(self.cfg, self.model, self.initial, dev, resume=False)
+        self.teacher = train.Teacher.create(self.cfg, self.model, self.initial)
         self.it = 0
         self.records = []
 

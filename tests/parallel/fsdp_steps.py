@@ -25,7 +25,7 @@ import runtime  # noqa: E402
 import train  # noqa: E402
 from conftest import defaults  # noqa: E402
 from models import frozen_copy, load_model  # noqa: E402
-from teacher import Teacher  # noqa: E402
+from teacher import Teacher, load_teacher_init  # noqa: E402
 from torch.distributed.fsdp._fully_shard import _fsdp_param_group  # noqa: E402
 
 STEPS = 3
@@ -55,8 +55,8 @@ def compare(algo, ddp):
     one = copy.deepcopy(model)
     ddp.shard(model)  # as train.py does: the student first, then its copies, born sharded (runtime.sharded_copy)
     initial, one_initial = (frozen_copy(model), frozen_copy(one)) if cfg["kl_coef"] > 0 else (None, None)
-    teacher = Teacher.create(cfg, model, None, CPU, False)
-    one_teacher = Teacher.create(cfg, one, None, CPU, False)
+    teacher = Teacher.create(cfg, model, None)
+    one_teacher = Teacher.create(cfg, one, None)
     adamw = dict(lr=cfg["learning_rate"], betas=(cfg["beta1"], cfg["beta2"]), weight_decay=cfg["weight_decay"])
     opt, one_opt = torch.optim.AdamW(model.parameters(), **adamw), torch.optim.AdamW(one.parameters(), **adamw)
     tasks = train.load_tasks(cfg["dataset"], "train")[:cfg["batch_prompts"]]
@@ -108,9 +108,10 @@ def teacher_init_mix(ddp, folder):
         load_model("scratch", CPU, scratch=dict(cfg, seed=cfg["seed"] + 1))[0].save_pretrained(folder)
     ddp.barrier()
     model = load_model("scratch", CPU, scratch=cfg)[0]
-    student, want = model.state_dict(), Teacher.create(cfg, copy.deepcopy(model), None, CPU, False).own.state_dict()
+    init = load_teacher_init(cfg, model, CPU)
+    student, want = model.state_dict(), Teacher.create(cfg, copy.deepcopy(model), None, init).own.state_dict()
     ddp.shard(model)
-    got = runtime.full_state_dict(Teacher.create(cfg, model, None, CPU, False).own)
+    got = runtime.full_state_dict(Teacher.create(cfg, model, None, load_teacher_init(cfg, model, CPU)).own)
     return {"max_diff": max_diff(got, want), "moved": max_diff(got, student)} if ddp.master else None
 
 
