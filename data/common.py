@@ -103,10 +103,12 @@ _MISSING = object()
 
 
 def field(rec, where, *names, default=_MISSING):
-    """The first of names present in rec (not None); else default, else die 'WHERE: missing field'."""
+    """The first of names present in rec (not None, not a blank string: {"problem": "", "question": ...}
+    takes the question); else default, else die 'WHERE: missing field'."""
     for n in names:
-        if rec.get(n) is not None:
-            return rec[n]
+        value = rec.get(n)
+        if value is not None and not (isinstance(value, str) and not value.strip()):
+            return value
     if default is not _MISSING:
         return default
     die(f"{where}: missing field {names[0]!r}")
@@ -128,6 +130,7 @@ def read_records(path):
     except UnicodeDecodeError as e:
         line = raw[:e.start].count(b"\n") + 1
         die(f"{path}:{line}: not UTF-8 text (byte {raw[e.start]:#04x}): re-encode the file as UTF-8")
+    document_error = None
     if not path.endswith(".jsonl") and text.lstrip()[:1] in "[{":
         try:  # a whole-file JSON document; HF's to_json writes JSON lines into .json files, see below
             doc = json.loads(text)
@@ -138,16 +141,18 @@ def read_records(path):
                     if not isinstance(r, dict):
                         die(f"{where}: not a JSON object")
                 return records
-        except ValueError:
-            pass
+        except json.JSONDecodeError as e:  # said if the file is not JSON lines either
+            document_error = f"{path}:{e.lineno}: not valid JSON ({e.msg}, column {e.colno})"
     records = []
-    for n, line in enumerate(text.splitlines(), 1):
+    # JSON lines end at "\n" only: str.splitlines() also splits at U+2028, U+2029 and U+0085, which
+    # JSON strings may hold raw (and write_splits writes so, ensure_ascii=False)
+    for n, line in enumerate(text.split("\n"), 1):
         if not line.strip():
             continue
         try:
             r = json.loads(line)
         except ValueError:
-            die(f"{path}:{n}: not valid JSON")
+            die(document_error if document_error and not records else f"{path}:{n}: not valid JSON")
         if not isinstance(r, dict):
             die(f"{path}:{n}: not a JSON object")
         records.append((f"{path}:{n}", r))
@@ -224,8 +229,11 @@ def check_row(row, where):
         die(f"{where}: {odd} must be a string, not {type(row.get(odd)).__name__} (converted line: {json.dumps(row)[:160]})")
 
 
-def write_splits(out_dir, splits):
-    """Check every row, then write out_dir/<split>.jsonl atomically (temp file + os.replace)."""
+def check_splits(out_dir, splits):
+    """What write_splits checks before it writes anything: out_dir can be a folder, every split has rows,
+    every row fits the schema (check_row) and UTF-8, ids are unique in a split."""
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        die(f"out_dir {out_dir} is a file, not a folder: give --out_dir a folder")
     for split, rows in splits.items():
         if not rows:
             die(f"no {split} examples to write to {out_dir}")
@@ -235,7 +243,20 @@ def write_splits(out_dir, splits):
             if row["id"] in seen:
                 die(f"duplicate id {row['id']!r} in {split}")
             seen.add(row["id"])
-    os.makedirs(out_dir, exist_ok=True)
+            try:
+                json.dumps(row, ensure_ascii=False).encode("utf-8")
+            except UnicodeEncodeError as e:  # a lone surrogate ("\\ud83d" in the source): not UTF-8 text
+                die(f"{split} line {row['id']}: holds {e.object[e.start:e.end]!r}, half of a UTF-16 pair, which "
+                    "UTF-8 cannot write: fix that record in the source")
+
+
+def write_splits(out_dir, splits):
+    """Check every row (check_splits), then write out_dir/<split>.jsonl atomically (temp file + os.replace)."""
+    check_splits(out_dir, splits)
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+    except OSError as e:  # a file where a parent folder should be
+        die(f"out_dir {out_dir} cannot be made ({e.strerror}): give --out_dir a folder")
     tmps = []
     try:
         for split, rows in splits.items():

@@ -51,6 +51,10 @@ def missing_set(data_dir, part, split, path):
                     any(os.path.exists(os.path.join(parent, n, f)) for f in (f"{split}.jsonl", "prepare.py")))
     prepared = any(os.path.exists(os.path.join(parent, n, f"{split}.jsonl")) for n in beside)
     line = f"{path} not found (looked for {searched(path)})"
+    folder = resolve(os.path.join(data_dir, part))
+    others = sorted(f[:-len(".jsonl")] for f in os.listdir(folder) if f.endswith(".jsonl")) if os.path.isdir(folder) else []
+    if others:  # the set is there, without this split (aime, math500 ... are test sets only)
+        return f"{line}: the set {part} has no {split} split (only {', '.join(others)}): use a set that has one"
     if os.path.exists(prepare) and (part == head or os.path.isdir(resolve(os.path.join(data_dir, part))) or not prepared):
         return f"{line}: run `python {prepare}` first"
     if beside:

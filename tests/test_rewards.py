@@ -390,6 +390,64 @@ def test_prepare_on_non_utf8_input_is_one_line(tmp_path):
     assert r.returncode == 1 and r.stderr.strip().splitlines()[-1] == f"error: source file {tmp_path} is a directory, not a JSON/JSONL file"
 
 
+def test_prepare_reads_real_records_as_their_source_means_them(tmp_path):
+    """A raw U+2028 inside a JSON string is one line (str.splitlines split it in two); a blank field falls
+    back to the next name; an answer of 0 is an answer; an AIME file's year is its own, not its folder's."""
+    src = tmp_path / "gsm8k_test.jsonl"
+    src.write_text(json.dumps({"question": "A\u2028B costs 5?", "answer": "so #### 5"}, ensure_ascii=False) + "\n",
+                   encoding="utf-8")
+    assert "\u2028" in src.read_text(encoding="utf-8")
+    r = run_prepare("gsm8k", f"--from_file={src}", f"--out_dir={tmp_path / 'g'}")
+    assert r.returncode == 0, r.stderr
+    assert "A\u2028B costs 5?" in read_jsonl(tmp_path / "g" / "test.jsonl")[0]["messages"][-1]["content"]
+    amc = write_jsonl(tmp_path / "amc_test.jsonl", [{"problem": "  ", "question": "What is 2+3?", "answer": 5}])
+    assert run_prepare("amc23", f"--from_file={amc}", f"--out_dir={tmp_path / 'a'}").returncode == 0
+    assert read_jsonl(tmp_path / "a" / "test.jsonl")[0]["messages"][-1]["content"].startswith("What is 2+3?")
+    dapo = write_jsonl(tmp_path / "math.jsonl", [{"problem": "What is 1-1?", "answer": 0}])
+    assert run_prepare("dapo_math", f"--from_file={dapo}", f"--out_dir={tmp_path / 'd'}").returncode == 0
+    assert read_jsonl(tmp_path / "d" / "train.jsonl")[0]["answer"] == "0"
+    (tmp_path / "exp2025").mkdir()
+    aime = write_jsonl(tmp_path / "exp2025" / "aime24_test.jsonl", [{"id": 60, "problem": "Find n.", "answer": "025"}])
+    dated = write_jsonl(tmp_path / "aime_test.jsonl", [{"id": 1, "problem": "Find m.", "answer": "7",
+                                                        "url": "https://artofproblemsolving.com/wiki/2024_AIME_I_Problems"}])
+    assert run_prepare("aime", f"--from_file={aime},{dated}", f"--out_dir={tmp_path / 'y'}").returncode == 0
+    assert [r["id"] for r in read_jsonl(tmp_path / "y" / "test.jsonl")] == ["aime24-60", "aime24-1"]
+
+
+def test_prepare_bad_input_is_one_line_and_writes_nothing(tmp_path):
+    """A lone surrogate, an out_dir that is a file, a JSON document's own error line, an answer letter that
+    is no option, and sciknoweval's later domain failing after an earlier one converted: one line each, and
+    no file (re)written."""
+    def last_line(r):
+        assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+        return r.stderr.strip().splitlines()[-1]
+    sur = tmp_path / "gsm8k_test.jsonl"
+    sur.write_text('{"question": "bad \\ud83d here", "answer": "#### 5"}\n')
+    assert "half of a UTF-16 pair" in last_line(run_prepare("gsm8k", f"--from_file={sur}", f"--out_dir={tmp_path / 's'}"))
+    assert not (tmp_path / "s").exists()
+    good = write_jsonl(tmp_path / "gsm8k_ok_test.jsonl", [{"question": "Q?", "answer": "#### 5"}])
+    (tmp_path / "afile").write_text("x")
+    assert "is a file, not a folder" in last_line(run_prepare("gsm8k", f"--from_file={good}", f"--out_dir={tmp_path / 'afile'}"))
+    pretty = tmp_path / "amc_test.json"
+    pretty.write_text("[\n" + "".join('  {"problem": "P", "answer": 1},\n' for _ in range(13)) + '  {"problem": "P" "answer": 1}\n]\n')
+    assert f"{pretty}:15: not valid JSON" in last_line(run_prepare("amc23", f"--from_file={pretty}", f"--out_dir={tmp_path / 'p'}"))
+    ske = tmp_path / "ske"
+    ske.mkdir()
+    row = {"prompt": "Which?\n\nA: x\nB: y\nPlease reason step by step.", "answer": "A", "idx": 0}
+    bio = write_jsonl(ske / "sciknoweval_biology_test.jsonl", [row])
+    chem = write_jsonl(ske / "sciknoweval_chemistry_test.jsonl", [row, dict(row, answer="C", idx=1)])
+    line = last_line(run_prepare("sciknoweval", f"--from_file={bio},{chem}", f"--out_dir={ske / 'out'}"))
+    assert "sciknoweval_chemistry_test.jsonl:2: answer 'C' is not one of the prompt's option letters (A, B)" in line
+    assert not (ske / "out").exists()  # biology, converted first, was not written either
+
+
+def test_a_set_without_the_split_asked_for_says_so(tmp_path):
+    (tmp_path / "aime").mkdir()
+    write_jsonl(tmp_path / "aime" / "test.jsonl", [])
+    with pytest.raises(train.UserError, match="the set aime has no train split \\(only test\\)"):
+        train.load_tasks("aime", "train", str(tmp_path))
+
+
 def test_eval_presets_name_prepared_sets():
     assert set(EVAL_PRESETS) >= {"math", "science", "tool", "general", "paper"}
     names = {n for sets in EVAL_PRESETS.values() for n in sets}

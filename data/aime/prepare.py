@@ -5,7 +5,7 @@ Answers are integers 0-999 (written without leading zeros).
 
     python data/aime/prepare.py                                           # both years from the HF hub
     python data/aime/prepare.py --from_file=local/aime24_test.jsonl
-A local file's year comes from its name (aime24, 2025, ...) or its records' year/url fields.
+A task's year comes from its record's year / url fields, else its file's name (aime24, 2025, ...).
 """
 import os
 import re
@@ -28,7 +28,8 @@ def year_of(*texts):
 def to_row(rec, where, split, i):
     answer = str(field(rec, where, "answer")).strip()
     answer = str(int(float(answer))) if re.fullmatch(r"\d+(\.0*)?", answer) else answer  # "025" -> "25"
-    year = year_of(where, rec.get("year"), rec.get("url"))
+    source = os.path.basename(where.rsplit(":", 1)[0])  # the file's (or hub set's) own name, not its folders'
+    year = year_of(rec.get("year"), rec.get("url"), source)  # the record's own year first
     prefix = f"aime{year}" if year else "aime"
     extra = {"solution": rec["solution"]} if isinstance(rec.get("solution"), str) else {}
     return math_row(f"{prefix}-{rec.get('id', i)}", field(rec, where, "problem", "question"), answer, **extra)

@@ -135,6 +135,9 @@ if __name__ == "__main__":
         splits["train"] = convert({"train": records}, make_converter(args.start, args.end, True, args.seed),
                                   "livecodebench")["train"]
     n = len(splits["test"])
+    if not n:
+        die(f"none of the {len(records)} problems has a contest_date in the window [{args.start}, {args.end}) "
+            "(dates are read as YYYY-MM-DD): set --start / --end")
     if (args.start, args.end) == ("2025-02-01", "2025-05-01") and not args.from_file and n != PAPER_PROBLEMS:
         print(f"note: {n} problems in the window, the SDPO paper reports {PAPER_PROBLEMS}", file=sys.stderr)
     write_splits(args.out_dir, splits)

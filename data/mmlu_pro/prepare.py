@@ -19,7 +19,7 @@ def to_row(rec, where, split, i):
     if not isinstance(options, list) or not 2 <= len(options) <= 10:
         die(f"{where}: 'options' must be a list of 2 to 10 options")
     letter = rec.get("answer") or LETTERS[int(field(rec, where, "answer_index"))]
-    if letter not in LETTERS[:len(options)]:
+    if len(str(letter)) != 1 or letter not in LETTERS[:len(options)]:  # (not a substring: '' and 'AB' are in 'ABCD')
         die(f"{where}: answer {letter!r} is not one of the {len(options)} options")
     return make_row(f"mmlu_pro-{rec.get('question_id', i)}", "general", "mcq",
                     mcq_prompt(field(rec, where, "question"), options), letter,

@@ -14,20 +14,22 @@ come from its name (sciknoweval_<domain>_<split>.jsonl) or --domains.
 """
 import functools
 import os
+import re
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # repo root
-from data.common import (LETTERS, convert, die, field, load_hub, make_row, mcq_prompt, mcq_system,  # noqa: E402
-                         parse_args, read_records, split_of, write_splits)
+from data.common import (LETTERS, check_splits, convert, die, field, load_hub, make_row, mcq_prompt,  # noqa: E402
+                         mcq_system, parse_args, read_records, split_of, write_splits)
 
 DOMAINS = ["biology", "chemistry", "material", "physics"]
 
 
 def to_row(rec, where, split, i, domain):
-    answer = str(field(rec, where, "answer")).strip().upper()
-    if answer not in LETTERS:
-        die(f"{where}: answer {answer!r} is not an option letter")
-    return make_row(f"sciknoweval-{domain}-{rec.get('idx', i)}", "science", "mcq", field(rec, where, "prompt"),
+    answer, prompt = str(field(rec, where, "answer")).strip().upper(), str(field(rec, where, "prompt"))
+    options = re.findall(r"^([A-Z]): ", prompt, re.M)  # mcq_prompt's "A: ..." lines
+    if len(answer) != 1 or answer not in LETTERS or (options and answer not in options):
+        die(f"{where}: answer {answer!r} is not one of the prompt's option letters ({', '.join(options) or 'none'})")
+    return make_row(f"sciknoweval-{domain}-{rec.get('idx', i)}", "science", "mcq", prompt,
                     answer, system=rec.get("system") or mcq_system(4), subject=domain)
 
 
@@ -64,6 +66,9 @@ if __name__ == "__main__":
             sources.setdefault(domain, {}).setdefault(split_of(path, "test"), []).extend(read_records(path))
     else:
         sources = {d: from_hub(d) for d in domains}
-    for domain, splits in sources.items():
-        out_dir = os.path.join(args.out_dir, domain)
-        write_splits(out_dir, convert(splits, functools.partial(to_row, domain=domain), f"sciknoweval/{domain}"))
+    # every domain converted and checked before any is written: a bad record leaves no domain rewritten
+    converted = {d: convert(splits, functools.partial(to_row, domain=d), f"sciknoweval/{d}") for d, splits in sources.items()}
+    for domain, splits in converted.items():
+        check_splits(os.path.join(args.out_dir, domain), splits)
+    for domain, splits in converted.items():
+        write_splits(os.path.join(args.out_dir, domain), splits)
