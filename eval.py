@@ -67,7 +67,7 @@ success_threshold = 0.0  # reward at which a sample counts as solved for pass@k 
 math_checker = ""  # 'builtin' or 'math_verify' ('' = the run's math_checker, else builtin): scored as train.py scored it
 max_prompts = 0  # test prompts per set (0 = all)
 drift_prompts = 32  # the first prompts of each set used for response drift (0 = skip response drift)
-batch_prompts = 8  # prompts per generation batch (each with n samples)
+batch_prompts = 8  # prompts per generation batch (each with n samples); sampled scores depend on it: a batch's rows draw from one generator
 stage_drift = True  # drift metrics for every per-stage snapshot in run_dir (a curve over stages)
 spectral_k = 0  # top-k singular directions per matrix for spectral drift (0 = auto: min(m,n)//8 clipped to 1..64; -1 = skip)
 out = ""  # JSON output path, ending in .json ('' = run_dir/eval.json, else eval.json); the markdown goes beside it (.md)
@@ -889,6 +889,8 @@ def main(cfg):
     base_path = cfg["base_model"] or state.get("base_init") or ""
     if base_path == "none":
         base_path = ""
+    if cfg["max_new_tokens"] < 0:
+        raise train.UserError(f"max_new_tokens={cfg['max_new_tokens']} must be >= 1 (or 0: the run's, else 2048)")
     if not cfg["max_new_tokens"]:
         cfg["max_new_tokens"] = run_cfg.get("max_new_tokens", 2048)
     # score as the run scored its own evals (a code run's partial rewards, math-verify): else its

@@ -301,6 +301,8 @@ def fit_prompt(tokenizer, build, demo, limit, enable_thinking=False):
         if len(ids) <= limit:
             return ids, True
         keep -= len(ids) - limit
+    if demo:  # nothing of the demonstration fits: the prompt around an empty one (system turn and question kept)
+        ids = prompt_ids(tokenizer, build(""), enable_thinking)
     return ids[-limit:], True
 
 
@@ -424,6 +426,12 @@ def load_model(init, dev, dtype=torch.float32, scratch=None, with_tokenizer=True
             raise ModelError(f"cannot load model {init!r}: {where}{(str(e).strip().splitlines() or [type(e).__name__])[0]}") from None
         if tokenizer is not None and len(tokenizer) < 2:  # what transformers builds, without a word, from no vocabulary
             raise ModelError(f"{init}'s tokenizer has {len(tokenizer)} token(s): its tokenizer files are missing or empty")
+    if tokenizer is not None and tokenizer.eos_token_id is None:  # the model's config may still name its EOS
+        declared = stop_token_ids(model, tokenizer)
+        if not declared:
+            raise ModelError(f"{init}: neither its tokenizer nor its config names an end-of-sequence token: set "
+                             "eos_token in its tokenizer_config.json")
+        tokenizer.eos_token = tokenizer.convert_ids_to_tokens(declared[0])
     if tokenizer is not None and tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     model = model.to(dev, dtype)

@@ -36,8 +36,11 @@ def read_prompts(prompt, prompt_file, system):
     sys_msg = [{"role": "system", "content": system}] if system else []
     if not prompt_file:
         return [{"id": "--prompt", "messages": sys_msg + [{"role": "user", "content": prompt}]}]
-    if prompt_file.endswith(".jsonl"):
-        return task_files.read_jsonl(prompt_file, kinds=train.REWARD_FNS)
+    if prompt_file.endswith(".jsonl"):  # --system replaces a task's own system turn, or adds one
+        tasks = task_files.read_jsonl(prompt_file, kinds=train.REWARD_FNS)
+        if system:
+            tasks = [dict(t, messages=sys_msg + [m for m in t["messages"] if m["role"] != "system"]) for t in tasks]
+        return tasks
     return [{"id": f"line {lineno}", "messages": sys_msg + [{"role": "user", "content": line}]}
             for lineno, line in task_files.read_lines(prompt_file)]
 

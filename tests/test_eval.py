@@ -4,6 +4,7 @@ import json
 import math
 import os
 import re
+import shutil
 
 import pytest
 import torch
@@ -366,6 +367,8 @@ def test_user_errors(tmp_path):
         ev.main(dict(cfg, model="x", drift_prompts=1))
     with pytest.raises(train.UserError, match="spectral_k=-2"):
         ev.main(dict(cfg, model="x", spectral_k=-2))
+    with pytest.raises(train.UserError, match="max_new_tokens=-1 must be >= 1"):  # (decoding 0 steps raised later)
+        ev.main(dict(cfg, model="x", max_new_tokens=-1))
     with pytest.raises(train.UserError, match=r"success_threshold=1.5 is not in \(0, 1\]"):
         ev.main(dict(cfg, model="x", success_threshold=1.5))
     with pytest.raises(train.UserError, match="math_checker='sympy' is not one of builtin, math_verify"):
@@ -393,6 +396,43 @@ def test_eval_py_scores_as_the_run_scored_its_own_evals(toy_data, tmp_path, monk
     seen.clear()
     ev.main(dict(cfg, success_threshold=1.0))
     assert set(seen) == {(1.0, "builtin")}
+
+
+def test_a_tokenizer_without_an_eos_token_takes_the_configs_or_says_so(finished_run, tmp_path, monkeypatch):
+    """pad_token fell back to eos_token, None too, and the first padded batch raised a TypeError (SmolLM2's
+    folder without eos_token / pad_token in its tokenizer_config.json; Qwen2's class would default them)."""
+    import models
+    folder = tmp_path / "no_eos"
+    shutil.copytree(finished_run / "ckpt", folder)
+    real = models.AutoTokenizer.from_pretrained
+
+    def without_eos(*args, **kwargs):
+        tokenizer = real(*args, **kwargs)
+        tokenizer.eos_token = tokenizer.pad_token = None
+        return tokenizer
+    monkeypatch.setattr(models.AutoTokenizer, "from_pretrained", without_eos)
+    model, tokenizer = models.load_model(str(folder), torch.device("cpu"))
+    assert tokenizer.eos_token_id == model.config.eos_token_id and tokenizer.pad_token_id is not None
+    out = train.generate(model, [[1, 4, 5], [8]], group_size=1, max_new_tokens=3, temperature=1.0, top_p=1.0,
+                         eos_ids=models.stop_token_ids(model, tokenizer), pad_id=tokenizer.pad_token_id,
+                         generator=torch.Generator().manual_seed(0))
+    assert len(out.response_ids) == 2
+    for name in ("config.json", "generation_config.json"):
+        path = folder / name
+        path.write_text(json.dumps({k: v for k, v in json.loads(path.read_text()).items() if k != "eos_token_id"}))
+    with pytest.raises(models.ModelError, match="names an end-of-sequence token"):
+        models.load_model(str(folder), torch.device("cpu"))
+
+
+def test_sample_py_system_turn_applies_to_a_data_files_prompts(toy_data, tmp_path):
+    import sample as sample_py
+    with open(os.path.join(toy_data, "toy", "add", "test.jsonl")) as f:
+        record = json.loads(f.readline())
+    path = tmp_path / "one.jsonl"
+    path.write_text(json.dumps(record) + "\n")
+    tasks = sample_py.read_prompts("", str(path), "Be brief.")
+    assert tasks[0]["messages"][0] == {"role": "system", "content": "Be brief."}
+    assert [m for m in tasks[0]["messages"] if m["role"] != "system"] == [m for m in record["messages"] if m["role"] != "system"]
 
 
 def test_sample_py_greedy_at_temperature_zero(finished_run, capsys):

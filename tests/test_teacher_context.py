@@ -69,3 +69,7 @@ def test_a_teacher_prompt_over_max_reprompt_len_keeps_the_system_turn_and_the_qu
     assert text.endswith(tok.decode(full[-12:])) and "\\boxed{42}" in text  # the instruction and the answer stay
     (same, _), cut = train.template_teacher_prompts(tok, [{"messages": messages}], [(peer, None)] * 2, 2, cfg, len(full))
     assert cut == 0 and same == full
+    # a limit that leaves no token of the demonstration: the prompt around an empty one, not the full prompt's tail
+    empty = models.prompt_ids(tok, train.teacher_messages(messages, "", None, cfg))
+    (ids,), cut = train.template_teacher_prompts(tok, [{"messages": messages}], [(peer, None)], 1, cfg, len(empty))
+    assert cut == 1 and ids == empty and "Answer briefly." in tok.decode(ids) and "12+30" in tok.decode(ids)
