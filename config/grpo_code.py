@@ -1,6 +1,7 @@
 # GRPO on code, the baseline of the SDPO paper's rich-feedback experiment (LCB v6: SDPO 48.8 %,
-# GRPO 41.2 % with Qwen3-8B): the model, data, lr, budget and memory knobs are sdpo_code.py's so
-# the two runs compare side by side; train.py's defaults are GRPO's otherwise (no std
+# GRPO 41.2 % with Qwen3-8B): the model, data, lr and budget are sdpo_code.py's so the two runs
+# compare side by side (micro_batch_size 8, not 4: GRPO holds no teacher; the loss is normalised over
+# the whole step, so no number changes with it); train.py's defaults are GRPO's otherwise (no std
 # normalisation, clip 0.2 / 0.28, no KL). The feedback is computed but has no reader.
 #   python data/livecodebench/prepare.py --train_split && python data/humaneval/prepare.py
 #   python train.py config/grpo_code.py

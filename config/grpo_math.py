@@ -6,9 +6,10 @@
 out_dir = "out/grpo_math"
 # the model, thinking off
 init_from = "Qwen/Qwen3-4B"
-# the data: DAPO-Math-17k to train, MATH500 / AIME24 / AMC23 to evaluate (mean@16, every prompt)
+# the data: DAPO-Math-17k to train, MATH500 / AIME 2024+2025 (one pooled set) / AMC23 to evaluate in domain,
+# GPQA-Diamond across domains (the paper's cross-domain finding) (mean@16, every prompt)
 dataset = "dapo_math"
-eval_sets = "math500,aime,amc23"
+eval_sets = "math500,aime,amc23,gpqa"
 eval_n = 16
 eval_max_prompts = 0
 # competition math needs long answers

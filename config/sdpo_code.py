@@ -2,7 +2,8 @@
 # experiments/rich_feedback/run_sdpo.sh): 32 prompts x 8 rollouts, lr 1e-6 without warmup, reverse KL
 # (alpha 1) over the student's top-20 (+ tail), EMA teacher rate 0.01, no self-demonstrations, and
 # the environment's feedback (the first failing test: input, expected, got / the error / the timeout)
-# in the teacher's prompt when no peer succeeded -- their best teacher context. Two differences, on
+# in the teacher's prompt when no peer succeeded -- their best teacher context; verl's token-mean
+# normalisation (train.py's default distill_agg). Two differences, on
 # purpose: one optimizer step per batch (theirs: ppo_mini_batch_size=1, several steps per batch) and
 # Qwen3-4B (their 8B's training state fits no single GPU here). Needs an H200-class GPU (the memory
 # estimate is beside gen_batch_size below) and the data:
@@ -32,7 +33,6 @@ warmup_iters = 0
 # programs are long; the teacher prompt holds a demonstration or the feedback
 max_new_tokens = 4096
 max_reprompt_len = 10240
-distill_agg = "seq-mean"
 # the budget: an eval and a checkpoint every 25 iterations
 max_iters = 200
 eval_interval = 25

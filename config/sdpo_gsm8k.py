@@ -25,5 +25,3 @@ eval_max_prompts = 0
 gen_batch_size = 128
 grad_checkpointing = True
 micro_batch_size = 16
-# TRL's SDPO normalisation: each response's token mean, averaged over all responses
-distill_agg = "seq-mean"

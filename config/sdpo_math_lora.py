@@ -1,7 +1,7 @@
-# config/sdpo_math.py's run (SDPO, Qwen3-4B, DAPO-Math-17k -> MATH500 / AIME24 / AMC23) on one 24 GB GPU:
+# config/sdpo_math.py's run (SDPO, Qwen3-4B, DAPO-Math-17k -> MATH500 / AIME 2024+2025 / AMC23 / GPQA) on one 24 GB GPU:
 # LoRA adapters train, the base stays frozen in bf16 (pip install peft). Arithmetic, not a measurement (no GPU
 # has run it yet): 18.2 GB peak, 20.2 GB with the allocator's slack (python tests/bench/memory_estimate.py --config=config/sdpo_math_lora.py --gpu_gb=24)
-#   python data/dapo_math/prepare.py && python data/math500/prepare.py && python data/aime/prepare.py && python data/amc23/prepare.py
+#   python data/dapo_math/prepare.py && python data/math500/prepare.py && python data/aime/prepare.py && python data/amc23/prepare.py && python data/gpqa/prepare.py
 #   python train.py config/sdpo_math_lora.py
 # The EMA teacher is an EMA of the adapter (the base is shared: 0.26 GB); --teacher=frozen is the base
 # with the adapter off (no copy at all). ckpt/ holds the merged model (serve it as is) and ckpt/adapter/.
@@ -10,14 +10,13 @@ out_dir = "out/sdpo_math_lora"  # LoRA:
 algo = "sdpo"
 init_from = "Qwen/Qwen3-4B"
 dataset = "dapo_math"
-eval_sets = "math500,aime,amc23"
+eval_sets = "math500,aime,amc23,gpqa"
 eval_max_prompts = 0
 max_new_tokens = 4096
 max_reprompt_len = 10240
 max_iters = 300
 eval_interval = 50
 save_interval = 50
-distill_agg = "seq-mean"
 grad_checkpointing = True
 # LoRA: rank-32 adapters on every linear layer but the LM head (attention and MLP projections: 66M params)
 lora_rank = 32
