@@ -118,7 +118,9 @@ def iteration_record(record, rollout, losses, *, algo, distill, world, global_su
     keys = sorted(rollout)
     sums = global_sum([rollout[k] for k in keys] + [losses[k] for k in ("loss",) + TOKEN_SUMS])
     record.update({k: v / world for k, v in zip(keys, sums)})
-    record["tokens"] *= world
+    for count in ("tokens", "reprompt_truncated"):  # counts: the step's total, not a rank's mean
+        if count in record:
+            record[count] *= world
     t = dict(zip(("loss",) + TOKEN_SUMS, sums[len(keys):]))
     record["loss"] = t["loss"]
     if algo != "sft" and t["tokens"]:

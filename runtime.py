@@ -192,9 +192,19 @@ class Dist:
         if self.world == 1 or is_sharded(model):
             return
         params = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters only
+        if not params:
+            return
+        # a parameter no rank has a gradient for (a step without signal, an expert no token reached) keeps
+        # grad None, so that AdamW skips it -- no weight decay, no moment or step-count update -- as one
+        # process does; zeros in its place moved the weights and aged the optimizer state
+        has = torch.tensor([p.grad is not None for p in params], dtype=torch.float32, device=params[0].device)
+        dist.all_reduce(has)
+        params = [p for p, n in zip(params, has.tolist()) if n > 0]
         for p in params:
             if p.grad is None:  # this rank had no signal for it: contribute zeros
                 p.grad = torch.zeros_like(p)
+        if not params:
+            return
         bucket, size = [], 0
         for p in params:
             if bucket and size + p.numel() > bucket_elems:

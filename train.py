@@ -331,6 +331,14 @@ def response_mask(tokens, eos_ids):
     return eos_before == 0
 
 
+def stream_seed(seed, rank, stream):
+    """The seed of a rank's random stream: 0 its sampling and density masks, 1 / 2 the student's /
+    teacher's evals, 3 + iteration a resume's reseed. Ranks sit 1000003 apart, so no rank's stream is
+    another's (seed + rank and seed + k + rank once made rank 1's sampling rank 0's eval stream);
+    rank 0's are seed + stream, as a one-process run's always were."""
+    return seed + stream + 1_000_003 * rank
+
+
 def make_generator(seed, dev):
     """A torch.Generator on `dev`: sampling stays on the device (a CPU generator cannot drive CUDA
     sampling), and its state is saved in checkpoints, so a resume samples exactly the same."""
@@ -937,8 +945,9 @@ def sample_and_score(model, tokenizer, tasks, *, n, temperature, top_p, max_new_
             scores.append([scored[r][0] for r in rows])
             texts.append([decoded[r] for r in rows])
             lengths.extend(len(out.response_ids[r]) for r in rows)
-    return {**accuracy_summary(scores, threshold=success_threshold), "mean_len": sum(lengths) / len(lengths),
-            "scores": scores, "texts": texts}
+    # a rank's share of a set smaller than the ranks may be empty: score_across_ranks summarises them all
+    return {**(accuracy_summary(scores, threshold=success_threshold) if scores else {}),
+            "mean_len": sum(lengths) / max(len(lengths), 1), "scores": scores, "texts": texts}
 
 
 # ----------------------------------------------------------------------------- main
@@ -1006,7 +1015,7 @@ def setup(cfg, ddp, stack):
         model, tokenizer = load_student(saved["base_init"] if cfg["lora_rank"] else ckpt_dir, ddp.load_device, cfg)  # LoRA: + adapter/
         eval_demos = fit_prompts(train_tasks, eval_tasks, model, tokenizer, cfg, log)
     # the guard's memory starts at the first eval (train_loop); a resumed run's comes with the rest
-    state = checkpoint.TrainState(generator=make_generator(cfg["seed"] + ddp.rank, dev), data_rng=random.Random(cfg["seed"]),
+    state = checkpoint.TrainState(generator=make_generator(stream_seed(cfg["seed"], ddp.rank, 0), dev), data_rng=random.Random(cfg["seed"]),
                                   base_init=saved["base_init"] if resume else cfg["init_from"], world=ddp.world,
                                   data=data, base_fingerprint=saved.get("base_fingerprint") if resume else base_print)
     note = None if resume else checkpoint.source_note(cfg["init_from"])  # another run's checkpoint: which iteration
@@ -1036,7 +1045,7 @@ def setup(cfg, ddp, stack):
     if resume:
         rng = checkpoint.load_trainer(ckpt_dir, saved, model, optimizer, teacher and teacher.own)
         if not state.restore(saved, rng[f"sampling.{ddp.rank}"]):  # moved between a CPU and a GPU
-            state.generator.manual_seed(cfg["seed"] + ddp.rank + 1_000_003 * state.iter)
+            state.generator.manual_seed(stream_seed(cfg["seed"], ddp.rank, 3 + state.iter))
             log.say(f"note: the checkpoint's sampling RNG is another device type's than {dev.type}'s: reseeded, so "
                     "the rollouts from here on differ from those an uninterrupted run would sample")
         if ddp.master:
@@ -1082,7 +1091,7 @@ def score_and_log_eval_sets(run, cfg, ddp, tag):
     (eval/<set>/teacher_mean@n): it shows when the teacher stops being better than the student."""
     state, n = run.state, cfg["eval_n"]
     teacher = run.teacher and run.teacher.eval_model(run.model)
-    generators = [make_generator(cfg["seed"] + k + ddp.rank, ddp.device) for k in (1, 2)]  # the same samples each eval
+    generators = [make_generator(stream_seed(cfg["seed"], ddp.rank, k), ddp.device) for k in (1, 2)]  # the same samples each eval
     row, lengths, record = {}, {}, {"iter": state.iter, "eval_tag": tag}
     for name, tasks in run.eval_tasks.items():
         acc, lengths[name] = score_across_ranks(run, cfg, ddp, run.model, tasks, generators[0])

@@ -39,8 +39,27 @@ def test_two_ranks_equal_one_process_sft(toy_data, tmp_path):
 
 
 @pytest.mark.ranks
+def test_steps_without_signal_move_no_weight_on_two_ranks_as_in_one_process(toy_data, tmp_path):
+    """A random model earns reward 0: no group has a signal, no rank runs a backward, and AdamW must skip
+    the step (no weight decay, no moments, no step count) as it does in one process; zero gradients in its
+    place decayed the weights. And an eval set smaller than the ranks leaves one rank an empty share."""
+    args = ["config/sdpo_toy.py", *TINY, "--algo=grpo", "--init_from=scratch", "--max_iters=2", "--learning_rate=1e-2",
+            "--weight_decay=0.1", "--eval_max_prompts=1", "--device=cpu"]
+    torchrun(2, *args, f"--out_dir={tmp_path / 'two'}")
+    run_train(*args, f"--out_dir={tmp_path / 'one'}")
+    assert all(r["reward"] == 0 for d in ("one", "two") for r in read_log(tmp_path / d) if "reward" in r)
+    two, one = weights(tmp_path / "two"), weights(tmp_path / "one")
+    assert all(torch.equal(two[k], one[k]) for k in one)
+    from safetensors.torch import load_file
+    state = load_file(os.path.join(tmp_path / "two", "ckpt", "trainer", "optimizer.safetensors"))
+    assert [k for k in state if not k.startswith("rng.")] == []
+    evals = [r for r in read_log(tmp_path / "two") if "eval_tag" in r]
+    assert evals and all("eval/toy/sort/mean@2" in r for r in evals)
+
+
+@pytest.mark.ranks
 def test_two_ranks_sdpo_stay_in_sync(toy_data, tmp_path):
-    """Sampling streams differ per rank (seed + rank), so SDPO is not bit-equal to one process;
+    """Sampling streams differ per rank (train.stream_seed), so SDPO is not bit-equal to one process;
     the ranks' weights (and EMA teachers) must still be identical after every step."""
     torchrun(2, "config/sdpo_toy.py", *TINY, "--init_from=scratch", "--success_threshold=0.0", "--max_iters=3",
              "--save_interval=1", "--learning_rate=1e-2", "--device=cpu", f"--out_dir={tmp_path}")

@@ -124,6 +124,11 @@ def test_sft_normalises_by_every_ranks_tokens_and_reports_its_own(toy_data):
     train.metrics.iteration_record(record, metrics, dict.fromkeys(("loss", "reference_s", "teacher_s", "student_s") + train.metrics.TOKEN_SUMS, 0.0),
                                    algo="sft", distill=cfg["distill"], world=2, global_sum=two_ranks, ratio_max=0.0)
     assert record["tokens"] == 2 * n
+    record = {}  # a count is the step's total (it was logged as a rank's mean); a rate stays a mean
+    train.metrics.iteration_record(record, dict(metrics, reprompt_truncated=3, acc=0.5),
+                                   dict.fromkeys(("loss", "reference_s", "teacher_s", "student_s") + train.metrics.TOKEN_SUMS, 0.0),
+                                   algo="sft", distill=cfg["distill"], world=2, global_sum=two_ranks, ratio_max=0.0)
+    assert record["reprompt_truncated"] == 6 and record["acc"] == 0.5
 
 
 def test_overlong_filter_leaves_truncated_responses_out_of_the_loss(toy_data):

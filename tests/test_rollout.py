@@ -348,3 +348,10 @@ def test_the_decode_state_stays_through_a_train_step_only_where_it_fits():
     memory.before_step(torch.device("cpu"))  # a CPU run keeps its cache (no device memory to run out of)
     memory.after_step(torch.device("cpu"))
     assert memory.step_extra is None
+
+
+def test_every_ranks_random_streams_are_distinct_and_rank_0s_are_a_one_process_runs():
+    """seed + rank (sampling) and seed + k + rank (evals) made rank 1's sampling stream rank 0's student-eval one."""
+    seeds = [train.stream_seed(1337, rank, stream) for rank in range(64) for stream in range(3)]
+    assert len(set(seeds)) == len(seeds)
+    assert [train.stream_seed(1337, 0, stream) for stream in range(3)] == [1337, 1338, 1339]
