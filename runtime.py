@@ -198,7 +198,7 @@ class Dist:
         # grad None, so that AdamW skips it -- no weight decay, no moment or step-count update -- as one
         # process does; zeros in its place moved the weights and aged the optimizer state
         has = torch.tensor([p.grad is not None for p in params], dtype=torch.float32, device=params[0].device)
-        dist.all_reduce(has)
+        self._all_reduce([has])
         params = [p for p, n in zip(params, has.tolist()) if n > 0]
         for p in params:
             if p.grad is None:  # this rank had no signal for it: contribute zeros

@@ -320,13 +320,21 @@ def test_data_parallelism_all_reduces_the_adapters_gradients_only(toy_data, base
     """Dist.all_reduce_grads gives a frozen base no zero gradients (a model-sized buffer) to sum."""
     model, _ = models.load_model(base_dir, torch.device("cpu"))
     models.apply_lora(model, rank=4, alpha=8.0, targets="all-linear")
+    adapter = [p for n, p in model.named_parameters() if ".lora_" in n]
+    for p in adapter[1:]:  # this rank's backward reached all adapters but the first; another rank's reached it
+        p.grad = torch.ones_like(p)
     reduced = []
-    monkeypatch.setattr(Dist, "_all_reduce", staticmethod(reduced.extend))
+
+    def all_reduce(tensors):  # the "has a gradient" flags come first: the other rank's 1 for the first adapter
+        if not reduced:
+            tensors[0][0] += 1
+        reduced.extend(tensors)
+    monkeypatch.setattr(Dist, "_all_reduce", staticmethod(all_reduce))
     ranks = Dist.__new__(Dist)  # two ranks' bookkeeping, no process group: _all_reduce is recorded instead
     ranks.world = 2
     ranks.all_reduce_grads(model)
-    adapter = [p for n, p in model.named_parameters() if ".lora_" in n]
-    assert sorted(map(id, reduced)) == sorted(id(p.grad) for p in adapter)
+    assert sorted(map(id, reduced[1:])) == sorted(id(p.grad) for p in adapter)
+    assert torch.equal(adapter[0].grad, torch.zeros_like(adapter[0]))  # zeros only where another rank has a gradient
     assert all(p.grad is None for n, p in model.named_parameters() if ".lora_" not in n)
 
 
