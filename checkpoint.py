@@ -502,13 +502,19 @@ def check_base(state, initial_model):
     (the folder was trained further or replaced, a hub revision moved); older checkpoints, without a
     fingerprint, are not checked."""
     saved = state.base_fingerprint
-    if saved is not None and not (isinstance(saved, list) and len(saved) == 2 and all(isinstance(x, float) for x in saved)):
+    if saved is None:
+        return
+    if not (isinstance(saved, list) and len(saved) == 2 and all(isinstance(x, float) for x in saved)):
         raise UserError(f"{state.base_init}: the checkpoint's base_fingerprint is {str(saved)[:40]}, not two numbers "
                         "(damaged, or not written by this train.py): the checkpoint cannot be resumed")
-    if saved is not None and not all(math.isclose(a, b, rel_tol=1e-6)  # sums in another order: not bit-exact
-                                     for a, b in zip(saved, base_fingerprint(initial_model))):
+    if not same_fingerprint(saved, initial_model):
         raise UserError(f"init_from=resume: {state.base_init}, this run's initial model, holds other weights than when "
                         "the run began (it changed since): restore that model, or start a new out_dir")
+
+
+def same_fingerprint(saved, model):
+    """Whether model's models.base_fingerprint is the saved one (sums in another order: not bit-exact)."""
+    return all(math.isclose(a, b, rel_tol=1e-6) for a, b in zip(saved, base_fingerprint(model)))
 
 
 def check_init_outside(init, out_dir, overwrite):
@@ -597,8 +603,7 @@ def load_trainer(ckpt_dir, state, model, optimizer, teacher_model):
         _load_tensors(adapter_tensors(model), adapter, "the LoRA adapter")
         with safe_open(adapter, "pt") as f:
             saved_base = json.loads((f.metadata() or {}).get("nanosdpo_base", "null"))
-        if saved_base is not None and not all(math.isclose(a, b, rel_tol=1e-6)  # sums in another order: not bit-exact
-                                              for a, b in zip(saved_base, base_fingerprint(model))):
+        if saved_base is not None and not same_fingerprint(saved_base, model):
             raise UserError(f"init_from=resume: the base {state['base_init']} holds other weights than the run's LoRA "
                             "adapter was trained on (it changed since): restore that base, or start a new out_dir")
     elif os.path.exists(os.path.join(trainer, "model_fp32.safetensors")):

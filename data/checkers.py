@@ -195,8 +195,8 @@ _REWRITES = {"{,}": ",", "\u2212": "-", "\u2013": "-", "\u03c0": "\\pi", "\u221a
             "^{\\circ}": "", "^\\circ": "", "\\circ": "", "\\degree": "", "\\%": "", "%": "",
             "\\$": "", "$": ""}
 _SPACING_RE = re.compile(r"\\[!,;:>]|\\q?quad(?![a-zA-Z])|~|(?<!\\)\\ |\n|\t")
-_TEXT_CMD_RE = re.compile(r"\\(?:text|textbf|textit|textrm|textsf|mathrm|mathbf|mathit|mathsf|"
-                          r"mbox|boldsymbol|bm|operatorname)\s*\{")
+_TEXT_CMDS = r"text|textbf|textit|textrm|textsf|mathrm|mathbf|mathit|mathsf|mbox|boldsymbol|bm|operatorname"
+_TEXT_CMD_RE = re.compile(rf"\\(?:{_TEXT_CMDS})\s*\{{")
 _UNITS = (r"dollars?|cents?|units?|degrees?|radians?|cm|mm|km|meters?|metres?|inch(?:es)?|feet|"
           r"foot|ft|yards?|miles?|hours?|hrs?|minutes?|mins?|seconds?|secs?|days?|weeks?|months?|"
           r"years?|mph|kg|grams?|pounds?|lbs?|ounces?|oz|liters?|litres?|ml|gallons?|people|"
@@ -676,7 +676,7 @@ def _answer_is_letter(text):
     return m.group(1) if m else None
 
 
-_MCQ_WRAP_RE = re.compile(r"\\(?:boxed|fbox|text|textbf|textit|textrm|mathrm|mathbf|mbox)\s*\{")
+_MCQ_WRAP_RE = re.compile(rf"\\(?:boxed|fbox|{_TEXT_CMDS})\s*\{{")  # _TEXT_CMD_RE's commands and the boxes
 
 
 def _mcq_letter(s):
@@ -900,6 +900,10 @@ def code_entry(answer):
         tests, fn_name, _, _, expression = _code_reference(answer if isinstance(answer, str) else json.dumps(answer))
     except (ValueError, TypeError):
         return None
+    return _entry_point(tests, fn_name, expression)
+
+
+def _entry_point(tests, fn_name, expression):
     if expression:
         return None
     if fn_name:
@@ -1110,7 +1114,8 @@ def _code_job(response, answer):
     """(Job or None, (score, feedback) when there is nothing to run, scorer(results) -> (score, feedback))."""
     from data.sandbox import Job, Limits
     tests, fn_name, timeout, fraction, expression = _code_reference(answer)
-    program, status = expression_program(response, expression) if expression else code_block(response, code_entry(answer))
+    program, status = (expression_program(response, expression) if expression else
+                       code_block(response, _entry_point(tests, fn_name, expression)))
     if status == "unclosed":
         return None, (0.0, TRUNCATED_FEEDBACK), None
     if status == "invalid":

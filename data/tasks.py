@@ -55,7 +55,7 @@ def missing_set(data_dir, part, split, path):
     others = sorted(f[:-len(".jsonl")] for f in os.listdir(folder) if f.endswith(".jsonl")) if os.path.isdir(folder) else []
     if others:  # the set is there, without this split (aime, math500 ... are test sets only)
         return f"{line}: the set {part} has no {split} split (only {', '.join(others)}): use a set that has one"
-    if os.path.exists(prepare) and (part == head or os.path.isdir(resolve(os.path.join(data_dir, part))) or not prepared):
+    if os.path.exists(prepare) and (part == head or os.path.isdir(folder) or not prepared):
         return f"{line}: run `python {prepare}` first"
     if beside:
         return f"{line}: {os.path.join(data_dir, os.path.dirname(part)).rstrip('/')} has no set {name!r}; it has " + ", ".join(beside)

@@ -99,7 +99,7 @@ def test_math_feedback():
     ("The answer is (B).", 1.0), ("Answer: **B**", 1.0), ("answer: B", 1.0), ("<answer>C</answer>", 0.0),
     ("<answer>B: 1.69</answer>", 0.0), ("The answer is Benzene", 0.0), ("B", 0.0), ("<answer>\nB", 0.0),
     ("<answer>$B$</answer>", 1.0), ("<answer>\n\\boxed{B}\n</answer>", 1.0), ("<answer>$\\boxed{B}$</answer>", 1.0),
-    ("<answer>$\\boxed{C}$</answer>", 0.0),
+    ("<answer>$\\boxed{C}$</answer>", 0.0), ("<answer>\\textsf{B}</answer>", 1.0), ("\\boxed{\\mathit{B}}", 1.0),
 ])
 def test_mcq(response, score):
     assert reward("mcq", response, "B")[0] == score

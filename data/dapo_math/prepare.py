@@ -35,8 +35,8 @@ def to_row(rec, where, split, i):
         source, extra = "dapo", {"source_index": str((rec.get("extra_info") or {}).get("index", ""))}
     else:  # MATH-style: problem + answer, or problem + solution ending in \boxed{}
         problem = str(field(rec, where, "problem", "question")).strip()
-        answer = rec.get("answer")
-        if answer is None or not str(answer).strip():  # (not `or`: an answer of 0 is an answer)
+        answer = field(rec, where, "answer", default=None)  # (not `or`: an answer of 0 is an answer)
+        if answer is None:
             answer = boxed_answer(str(field(rec, where, "solution", "answer")))
         source, extra = "math", {"solution": rec["solution"]} if isinstance(rec.get("solution"), str) else {}
     if answer is None or str(answer).strip() == "":
