@@ -895,10 +895,10 @@ def main(cfg):
         cfg["max_new_tokens"] = run_cfg.get("max_new_tokens", 2048)
     # score as the run scored its own evals (a code run's partial rewards, math-verify): else its
     # in-training pass@n and eval.py's would count different samples as solved
+    if not 0 <= cfg["success_threshold"] <= 1:  # the value given; a run's own may be 0 (train.py's range is [0, 1])
+        raise train.UserError(f"success_threshold={cfg['success_threshold']} is not in [0, 1] (0 = the run's)")
     cfg["success_threshold"] = cfg["success_threshold"] or run_cfg.get("success_threshold", 1.0)
     cfg["math_checker"] = cfg["math_checker"] or run_cfg.get("math_checker", "builtin")
-    if not 0 < cfg["success_threshold"] <= 1:
-        raise train.UserError(f"success_threshold={cfg['success_threshold']} is not in (0, 1] (0 = the run's)")
     if cfg["math_checker"] not in train.CHOICES["math_checker"]:
         raise train.UserError(f"math_checker={cfg['math_checker']!r} is not one of {', '.join(train.CHOICES['math_checker'])}")
     if cfg["math_checker"] == "math_verify":

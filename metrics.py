@@ -5,8 +5,11 @@ line per iteration. The per-iteration diagnostics are the ones RL users debug a 
 
   ratio_mean / ratio_max   exp(log π − log π_old) against the sampling policy (≈ 1: one update per batch)
   clip_frac                fraction of tokens outside the PPO clip range [1 − clip_low, 1 + clip_high]
-  kl_sampler               k3 estimate of KL(π_old ‖ π): how far the step moved from what was sampled
+  kl_sampler               k3 estimate of KL(π_old ‖ π), taken before the step: the trainer's forward against
+                           the sampler's (≈ 0: bf16 decode weights, caches), not the size of the update
   entropy                  the student's entropy per response token (a collapsing policy loses it)
+  (these five: over the response tokens of the rows in the loss -- a GRPO signal or a teacher -- only:
+  groups whose rewards were all equal are left out, and a step where no row is in the loss logs none)
   div                      the distillation divergence per distilled token
   topk_mass                the probability mass of the student's top-k (distill='topk'; the rest is the tail)
   sampled_logratio(_ok, _failed)
@@ -118,9 +121,11 @@ def iteration_record(record, rollout, losses, *, algo, distill, world, global_su
     keys = sorted(rollout)
     sums = global_sum([rollout[k] for k in keys] + [losses[k] for k in ("loss",) + TOKEN_SUMS])
     record.update({k: v / world for k, v in zip(keys, sums)})
-    for count in ("tokens", "reprompt_truncated"):  # counts: the step's total, not a rank's mean
+    for count in ("tokens", "reprompt_truncated", "distilled"):  # counts: the step's total, not a rank's mean
         if count in record:
             record[count] *= world
+    if "distilled" in record:  # a share of the step's tokens (ranks' token counts differ), not a mean of ranks' shares
+        record["distill_frac"] = record.pop("distilled") / max(record["tokens"], 1)
     t = dict(zip(("loss",) + TOKEN_SUMS, sums[len(keys):]))
     record["loss"] = t["loss"]
     if algo != "sft" and t["tokens"]:
@@ -193,9 +198,10 @@ def pass_at_k(n, c, k):
 
 def accuracy_summary(scores, ks=None, threshold=1.0):
     """Per-prompt lists of n scores -> mean@n (the mean score) and pass@k for each k <= n in ks
-    (default: k = n), the unbiased estimator over the samples with score >= threshold."""
+    (default: k = n), the unbiased estimator over the samples with score >= threshold (and above 0:
+    at threshold 0 a sample that earned nothing is not solved)."""
     n = len(scores[0])
-    correct = [sum(s >= threshold for s in row) for row in scores]
+    correct = [sum(s >= threshold and s > 0 for s in row) for row in scores]
     out = {f"mean@{n}": sum(map(sum, scores)) / (n * len(scores))}
     for k in ks or [n]:
         if k <= n:

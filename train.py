@@ -163,7 +163,7 @@ clip_high = 0.28  # PPO clip: ratio <= 1 + clip_high
 kl_coef = 0.0  # k3 KL to the initial model (0 = off, no reference forward)
 loss_agg = "token-mean"  # 'token-mean', 'seq-mean-token-mean' or 'seq-mean-token-sum-norm'
 # SDPO: teacher context
-success_threshold = 1.0  # reward at which a response counts as a successful demonstration
+success_threshold = 1.0  # reward at which a response counts as a successful demonstration (and as solved in pass@n, where 0 never is)
 dont_reprompt_on_self_success = True  # a response never gets itself as its demonstration
 remove_thinking = True  # strip <think>...</think> from demonstrations
 use_feedback = False  # add the reward function's feedback on the response's own attempt
@@ -571,7 +571,7 @@ def build_batch(tasks, model, tokenizer, cfg, generator, dev, *, autocast=contex
         n_distill = sum(int(m.sum()) for m in masks)
         batch.distill_weight = distill_weights(masks, cfg["distill_agg"], 1 - cfg["grpo_mix"], global_sum)
         metrics.update(peer_frac=sum(t is not None for t in batch.teacher_prompt_ids) / len(lengths),
-                       distill_frac=n_distill / max(sum(lengths), 1), reprompt_truncated=cut)
+                       distill_frac=n_distill / max(sum(lengths), 1), distilled=n_distill, reprompt_truncated=cut)
     successes = (rewards >= cfg["success_threshold"]).view(-1, G)
     metrics.update(reward=rewards.mean().item(), acc=successes.float().mean().item(),
                    group_success=successes.any(-1).float().mean().item(),
@@ -1102,10 +1102,15 @@ def score_and_log_eval_sets(run, cfg, ddp, tag):
         demos = run.eval_demos.get(name)
         if demos:
             record[f"eval/{name}/teacher_mean@{n}"] = score_across_ranks(run, cfg, ddp, teacher, demos, generators[1])[0][f"mean@{n}"]
+            record[f"eval/{name}/teacher_prompts"] = len(demos)  # those with a solution that fit: maybe a subset
     run.log.record(record)
     taught = {name: record.get(f"eval/{name}/teacher_mean@{n}") for name in row}
+
+    def teacher_note(name):
+        m, of = record[f"eval/{name}/teacher_prompts"], len(run.eval_tasks[name])
+        return f" (teacher {taught[name]:.3f}" + (f" on {m} of its {of} prompts)" if m < of else ")")
     run.log.say(f"eval @ iter {state.iter} ({tag}): " + ", ".join(
-        f"{k} mean@{n} {v:.3f}" + (f" (teacher {taught[k]:.3f})" if taught[k] is not None else "") for k, v in row.items()))
+        f"{k} mean@{n} {v:.3f}" + (teacher_note(k) if taught[k] is not None else "") for k, v in row.items()))
     return row, lengths
 
 

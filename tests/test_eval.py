@@ -29,6 +29,10 @@ def test_pass_at_k_sanity():
             assert train.metrics.pass_at_k(n, c, n) == (1.0 if c else 0.0)
             assert all(train.metrics.pass_at_k(n, c, k) <= train.metrics.pass_at_k(n, c, k + 1) + 1e-12 for k in range(1, n))
     assert ev.parse_ks("16,1,4", 4) == [1, 4] and ev.parse_ks("16", 2) == [2]
+    # success_threshold 0 (every response a peer, in training): a sample that earned nothing is still not solved
+    s = train.accuracy_summary([[0, 0], [0, 1], [0, 0.5], [0, 0]], [1, 2], threshold=0.0)
+    assert s["pass@1"] == pytest.approx(2 / 8) and s["pass@2"] == pytest.approx(2 / 4)
+    assert train.accuracy_summary([[0, 0.5]], [2], threshold=0.6)["pass@2"] == 0.0
     with pytest.raises(train.UserError):
         ev.parse_ks("1,x", 4)
 
@@ -369,7 +373,7 @@ def test_user_errors(tmp_path):
         ev.main(dict(cfg, model="x", spectral_k=-2))
     with pytest.raises(train.UserError, match="max_new_tokens=-1 must be >= 1"):  # (decoding 0 steps raised later)
         ev.main(dict(cfg, model="x", max_new_tokens=-1))
-    with pytest.raises(train.UserError, match=r"success_threshold=1.5 is not in \(0, 1\]"):
+    with pytest.raises(train.UserError, match=r"success_threshold=1.5 is not in \[0, 1\]"):
         ev.main(dict(cfg, model="x", success_threshold=1.5))
     with pytest.raises(train.UserError, match="math_checker='sympy' is not one of builtin, math_verify"):
         ev.main(dict(cfg, model="x", math_checker="sympy"))
@@ -396,6 +400,16 @@ def test_eval_py_scores_as_the_run_scored_its_own_evals(toy_data, tmp_path, monk
     seen.clear()
     ev.main(dict(cfg, success_threshold=1.0))
     assert set(seen) == {(1.0, "builtin")}
+    seen.clear()  # a run trained at success_threshold 0 (every response a peer) is scored at its own 0, not refused
+    real_read = ev.read_run
+
+    def trained_at_zero(run_dir):
+        found = real_read(run_dir)
+        found["state"]["config"]["success_threshold"] = 0.0
+        return found
+    monkeypatch.setattr(ev, "read_run", trained_at_zero)
+    ev.main(dict(cfg))
+    assert set(seen) == {(0.0, "builtin")}
 
 
 def test_a_tokenizer_without_an_eos_token_takes_the_configs_or_says_so(finished_run, tmp_path, monkeypatch):

@@ -131,6 +131,21 @@ def test_sft_normalises_by_every_ranks_tokens_and_reports_its_own(toy_data):
     assert record["reprompt_truncated"] == 6 and record["acc"] == 0.5
 
 
+def test_distill_frac_over_ranks_is_the_share_of_every_ranks_tokens():
+    """Ranks hold as many responses but not as many tokens: distill_frac is distilled tokens over the
+    step's tokens, not the mean of the ranks' shares (400 of 400 and 0 of 20 is 400/420, not 0.5)."""
+    def rollout(lengths, distilled):
+        return dict(peer_frac=float(distilled > 0), distill_frac=distilled / sum(lengths), distilled=distilled,
+                    reprompt_truncated=0, reward=0.0, acc=0.0, resp_len=sum(lengths) / len(lengths), tokens=sum(lengths))
+    mine, other = rollout([100] * 4, 400), rollout([5] * 4, 0)
+    losses = dict.fromkeys(("loss", "reference_s", "teacher_s", "student_s") + train.metrics.TOKEN_SUMS, 0.0)
+    theirs = [other[k] for k in sorted(other)] + [0.0] * (1 + len(train.metrics.TOKEN_SUMS))
+    record = train.metrics.iteration_record({}, mine, losses, algo="sdpo", distill="topk", world=2, ratio_max=0.0,
+                                            global_sum=lambda xs: [a + b for a, b in zip(xs, theirs)])
+    assert record["distill_frac"] == pytest.approx(400 / 420) and record["tokens"] == 420
+    assert record["resp_len"] == pytest.approx(420 / 8) and "distilled" not in record
+
+
 def test_overlong_filter_leaves_truncated_responses_out_of_the_loss(toy_data):
     """A scratch model never stops within 3 tokens: every response is truncated."""
     cfg, model, tokenizer = tiny_setup(toy_data, "sdpo", success_threshold=0.0, group_size=4, max_new_tokens=3,

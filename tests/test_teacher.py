@@ -4,6 +4,7 @@ teacher_init), how it follows the student and resets at a stage boundary, the lo
 what an SDPO run logs about it."""
 import contextlib
 import os
+import re
 
 import pytest
 import torch
@@ -157,3 +158,16 @@ def test_an_sdpo_run_logs_its_teachers_accuracy_and_the_diagnostics(toy_data, tm
         assert all(key in r for r in steps), key
     assert all(0 < r["topk_mass"] <= 1 and r["entropy"] > 0 and r["ratio_max"] >= r["ratio_mean"] > 0 for r in steps)
     assert (out / "samples.jsonl").exists()
+    assert all(r["eval/toy/add/teacher_prompts"] == 4 for r in evals)  # every eval prompt has a teacher prompt
+
+
+def test_a_teacher_scored_on_fewer_prompts_than_the_student_says_so(toy_data, tmp_path):
+    """Eval teacher prompts over max_reprompt_len are left out (those with the longest solutions): the
+    teacher's score is then over a subset, which the eval line and the record say."""
+    out = tmp_path / "run"
+    proc = run_train("config/sdpo_toy.py", *TINY, "--init_from=scratch", "--success_threshold=0.0", "--dataset=toy/sort",
+                     "--max_reprompt_len=110", f"--out_dir={out}", "--max_iters=1", "--device=cpu")
+    evals = [r for r in read_log(out) if "eval_tag" in r]
+    assert len(evals) == 2 and all(r["eval/toy/sort/teacher_prompts"] == 3 for r in evals)
+    assert "left out 1 of 4 prompts longer than 110 tokens" in proc.stdout
+    assert len(re.findall(r"\(teacher \d\.\d{3} on 3 of its 4 prompts\)", proc.stdout)) == 2
