@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache, Qwen2ForCausalLM, StaticCache
+from transformers.cache_utils import DynamicLayer
 
 from runtime import autocast_dtype, is_sharded
 
@@ -120,6 +121,7 @@ def decode_weights(model, enabled=True):
     current = live is not None and live() is model and len(slots) == len(params) and all(
         m is m2 and name == name2 and p is p2 and c.dtype == dtype for (m, name, p, c), (m2, name2, p2) in zip(slots, params))
     if not current:  # another model, another dtype, or its parameters were replaced: new copies
+        slots = None  # the old copies go before the new ones are made: never two sets alive
         _decode_weights.clear()
         copies = {}  # one copy per tensor: tied weights stay tied
         for _, _, p in params:
@@ -197,14 +199,17 @@ def static_decoding(model, prefill_cache, mask, max_new_tokens):
     cache is alive at a time. The mask covers the whole cache (the causal mask hides the unwritten
     positions, and the ones past a short batch's end are never reached): one shape for every step."""
     rows, width = mask.shape
-    if any(getattr(layer, "is_sliding", False) for layer in prefill_cache.layers):
-        return None  # a sliding-window prefill keeps only the window: decode on the dynamic cache
+    if any(type(layer) is not DynamicLayer for layer in prefill_cache.layers):
+        # a sliding-window prefill keeps only the window, a sparse-attention indexer (DeepSeek-V3.2) keeps keys
+        # of its own that the loop below does not move: decode on the dynamic cache
+        return None
     k = prefill_cache.layers[0].keys
     key = (rows, len(prefill_cache.layers), k.shape[1], k.shape[3], k.dtype, k.device)
     old = next(iter(_static_caches.items()), None)
     if old is not None and old[0][0] == key and old[0][1] >= width + max_new_tokens:
         (_, length), cache = old
     else:
+        old = None  # this reference too: never two alive
         _static_caches.clear()  # before allocating the new one: never two alive
         length = bucket(width + max_new_tokens)
         cache = StaticKVCache(config=model.config, max_cache_len=length)

@@ -136,6 +136,14 @@ def check_model(model):
         if getattr(config, field, None):
             raise ModelError(f"{name}: config {field}={getattr(config, field)} (soft-capped logits) is not supported "
                              "by nanoSDPO's LM-head loss; set it to null in config.json to train without the cap")
+    # a sparse-attention indexer (DeepSeek-V3.2, GLM-MoE-DSA, ...) keeps the top index_topk keys per query: past
+    # that many tokens, transformers' KV-cached decode picks other keys than one forward over the sequence
+    # (both 5.17 and 5.24), so the rollout's log-probs would not be the training forward's (rho != 1)
+    topk, positions = getattr(config, "index_topk", None), getattr(config, "max_position_embeddings", None)
+    if topk and positions and topk < positions:
+        raise ModelError(f"{name}: config index_topk={topk} (sparse attention) is not supported: past {topk} tokens its "
+                         "KV-cached decode attends to other keys than a full forward; index_topk >= "
+                         f"max_position_embeddings ({positions}) in config.json keeps every key (dense) and is")
     head = model.get_output_embeddings()
     if not isinstance(head, torch.nn.Linear):
         raise ModelError(f"{name}: its LM head is a {type(head).__name__}, not one linear layer")

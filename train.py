@@ -357,10 +357,18 @@ def generate(model, prompts, *, group_size, max_rows=0, progress=False, **sampli
     # (compiled) path reads bf16 copies of the matmul weights instead of casting the fp32 ones every token,
     # and sees no requires_grad flag (student and teacher: one compiled step)
     static = sampling.get("static", False)
+
+    def decode_chunk(i):
+        part = prompts[i:i + per_call]
+        # the static cache is kept per row count: a short chunk, padded to per_call prompts with copies of its
+        # last one (their rows dropped), decodes on the live buffers instead of reallocating them (and the
+        # next full chunk reallocating them again), so the CUDA graphs replay
+        short = per_call - len(part) if static and max_rows > 0 else 0
+        out = decode(model, part + part[-1:] * short, group_size=group_size, **sampling)
+        return out.take(range(len(part) * group_size)) if short else out
     with eval_mode(model), frozen_flags(model, enabled=static), decode_weights(model, enabled=static):
-        chunks = [decode(model, prompts[i:i + per_call], group_size=group_size, **sampling)
-                  for i in tqdm(starts, desc="rollout", disable=None if progress and len(starts) > 1 else True,
-                                leave=False, file=sys.stdout)]
+        chunks = [decode_chunk(i) for i in tqdm(starts, desc="rollout", disable=None if progress and len(starts) > 1 else True,
+                                                leave=False, file=sys.stdout)]
     if len(chunks) == 1:
         return chunks[0]
     return Batch(*[[x for chunk in chunks for x in getattr(chunk, f)] for f in

@@ -166,6 +166,12 @@ def one_line_error(proc):
     return lines[0]
 
 
+# DeepSeek-V3.2's attention (a key indexer keeping index_topk keys per query), tiny: beside a 2-layer config
+DSA = dict(num_key_value_heads=2, moe_intermediate_size=16, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
+           n_group=1, topk_group=1, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8, v_head_dim=8, qk_nope_head_dim=8,
+           index_head_dim=8, index_n_heads=2, first_k_dense_replace=1)
+
+
 def tiny_qwen2(vocab=20, seed=0):
     """A random 2-layer Qwen2 (eval mode) with a small vocab, for rollout and teacher checks."""
     from transformers import Qwen2Config, Qwen2ForCausalLM

@@ -8,7 +8,7 @@ import pytest
 import torch
 import transformers
 
-from conftest import TINY, read_log, run_train, run_train_here
+from conftest import DSA, TINY, read_log, run_train, run_train_here
 
 import decoding
 import models
@@ -32,11 +32,11 @@ ARCHS = {
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(LLAMA, head_dim=16, final_logit_softcapping=0.5,
                                                          query_pre_attn_scalar=16), "final_logit_softcapping"),
     "phi": ("PhiConfig", "PhiForCausalLM", dict(LLAMA, num_key_value_heads=2), "bias"),
-    # sparse attention with an indexer: its cache layers need the config (refused as "recurrent" without it)
-    "deepseek_v32": ("DeepseekV32Config", "DeepseekV32ForCausalLM", dict(
-        LLAMA, num_key_value_heads=2, moe_intermediate_size=16, n_routed_experts=4, n_shared_experts=1,
-        num_experts_per_tok=2, n_group=1, topk_group=1, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8, v_head_dim=8,
-        qk_nope_head_dim=8, index_topk=64, index_head_dim=8, index_n_heads=2, first_k_dense_replace=1), 1.0),
+    # an attention indexer keeping index_topk >= the context's keys (dense): its cache layers need the config
+    # (refused as "recurrent" without it)
+    "deepseek_v32": ("DeepseekV32Config", "DeepseekV32ForCausalLM", dict(LLAMA, **DSA, index_topk=64), 1.0),
+    # sparse (index_topk below the context): past 4 tokens a cached decode attends to other keys than a full forward
+    "deepseek_v32_sparse": ("DeepseekV32Config", "DeepseekV32ForCausalLM", dict(LLAMA, **DSA, index_topk=4), "index_topk=4"),
     # no position_ids, positions counted from the first column: left padding would shift them
     "bart": ("BartConfig", "BartForCausalLM", dict(vocab_size=V, d_model=H, decoder_layers=2, decoder_attention_heads=2,
                                                    decoder_ffn_dim=64, encoder_layers=2, encoder_attention_heads=2,

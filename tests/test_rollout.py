@@ -1,10 +1,14 @@
 """Rollout (step 1): generate() samples group_size responses per prompt from one shared prefill, keeps
 each response up to its first EOS and the log-prob each token was sampled with, on the dynamic or the
 static KV cache, in chunks, under autocast and gradient checkpointing."""
+import gc
+import weakref
+
 import pytest
 import torch
+import transformers
 
-from conftest import tiny_qwen2
+from conftest import DSA, tiny_qwen2
 
 import decoding
 import models
@@ -258,12 +262,73 @@ def test_at_most_one_static_cache_is_alive(monkeypatch):
 
     first = rollout([[1, 4, 5], [8, 9]], 8)
     assert rollout([[1, 4], [8]], 8) is first  # shorter: the same buffers
+    old, seen = weakref.ref(first), []  # is the old cache gone when the new one allocates its buffers?
+    real_init = transformers.cache_utils.StaticLayer.lazy_initialization
+
+    def allocating(self, *args, **kwargs):
+        gc.collect()
+        seen.append(old() is not None)
+        return real_init(self, *args, **kwargs)
+    monkeypatch.setattr(transformers.cache_utils.StaticLayer, "lazy_initialization", allocating)
+    del first
     longer = rollout([[1, 4, 5], [8, 9]], 70)
-    assert longer is not first and longer.layers[0].keys.shape[2] >= 73
+    assert seen == [False] * model.config.num_hidden_layers, "the old cache was alive beside the new one"
+    assert longer.layers[0].keys.shape[2] >= 73
     assert decoding.decode_state_bytes() == sum(t.numel() * t.element_size() for layer in longer.layers
                                               for t in (layer.keys, layer.values))  # fp32: no decode weights
     decoding.free_decode_state()
     assert not decoding._static_caches and decoding.decode_state_bytes() == 0
+
+
+def test_a_short_last_chunk_decodes_on_the_live_static_cache_and_gives_the_one_batch_rows(monkeypatch):
+    """gen_batch_size rows at a time: a last chunk with fewer prompts is padded to a full one (its extra
+    rows dropped) so that it decodes on the live cache instead of reallocating it (and the next rollout's
+    first chunk reallocating it again: new buffers, CUDA graphs re-recorded). With the nucleus cut to the
+    most likely token, the padded chunks give the one-batch rows."""
+    eager_compile(monkeypatch)
+    monkeypatch.setattr(decoding, "_static_caches", {})
+    model = tiny_qwen2(vocab=96)
+    made, real_init = [], decoding.StaticKVCache.__init__
+
+    def counting(self, *args, **kwargs):
+        made.append(1)
+        real_init(self, *args, **kwargs)
+    monkeypatch.setattr(decoding.StaticKVCache, "__init__", counting)
+    prompts = [[1, 4, 5, 6, 7], [8, 9], [10], [11, 12, 13], [14, 15], [16, 17, 18], [19, 20]]
+
+    def rollout(static, max_rows, seed=0):
+        return train.generate(model, prompts, group_size=2, max_new_tokens=6, temperature=1.0, top_p=1e-6, eos_ids=[2],
+                              pad_id=0, generator=torch.Generator().manual_seed(seed), static=static, max_rows=max_rows)
+    one_batch = rollout(False, 0)
+    for seed in range(3):  # three rollouts of 3 + 3 + 1 prompts: one cache, allocated once
+        chunked = rollout(True, 6, seed)
+        assert chunked.prompt_ids == one_batch.prompt_ids and chunked.response_ids == one_batch.response_ids
+        assert chunked.truncated == one_batch.truncated
+        for a, b in zip(chunked.old_logprobs, one_batch.old_logprobs):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    assert len(made) == 1 and len(decoding._static_caches) == 1
+    decoding.free_decode_state()
+
+
+def test_a_cache_holding_more_than_keys_and_values_decodes_on_the_dynamic_cache(monkeypatch):
+    """A sparse-attention indexer (DeepSeek-V3.2) keeps keys of its own in each cache layer, which the
+    move into a StaticCache does not carry: the static path decoded with an indexer blind to the prompt.
+    Such a cache (any layer not a plain DynamicLayer: sliding windows too) stays on the dynamic path,
+    so static=True samples what static=False does. (check_model refuses a sparse index_topk for another
+    reason, tests/test_models.py; generate itself does not call it.)"""
+    eager_compile(monkeypatch)
+    monkeypatch.setattr(decoding, "_static_caches", {})
+    torch.manual_seed(0)
+    config = transformers.DeepseekV32Config(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                            num_attention_heads=2, max_position_embeddings=64, **DSA, index_topk=4)
+    model = transformers.DeepseekV32ForCausalLM(config).float().eval()
+    for prompts in ([[5, 6, 7, 8, 9, 10, 11, 12], [13, 14, 15, 16, 17, 18, 19, 20]], [[5, 6, 7, 8, 9, 10, 11, 12], [13, 14, 15]]):
+        runs = [train.generate(model, prompts, group_size=2, max_new_tokens=8, temperature=1.0, top_p=1e-6, eos_ids=[2],
+                               pad_id=0, generator=torch.Generator().manual_seed(0), static=static) for static in (False, True)]
+        assert runs[1].response_ids == runs[0].response_ids
+        for a, b in zip(runs[1].old_logprobs, runs[0].old_logprobs):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    assert not decoding._static_caches, "no static cache was made"
 
 
 def test_decode_weights_are_the_casts_autocast_makes_so_no_number_changes():
@@ -329,8 +394,20 @@ def test_decode_weights_are_kept_refreshed_after_a_step_and_freed_with_the_stati
     assert fresh.response_ids == after_step.response_ids
     assert all(torch.equal(a, b) for a, b in zip(fresh.old_logprobs, after_step.old_logprobs))
     assert counters["stats"]["unique_graphs"] == graphs, "refreshed or new copies: no recompile"
+    old_copies = [weakref.ref(c) for *_, c in decoding._decode_weights["slots"]]  # fresh's copies
+    del slots
+    alive, real_parameter = [], torch.nn.Parameter
+
+    class Counting(real_parameter):  # counts the old copies still alive as each new copy is made
+        def __new__(cls, data=None, requires_grad=True):
+            gc.collect()
+            alive.append(sum(r() is not None for r in old_copies))
+            return real_parameter(data, requires_grad)
+    monkeypatch.setattr(torch.nn, "Parameter", Counting)
     rollout(other)
-    assert decoding._decode_weights["model"]() is other and len(decoding._decode_weights["slots"]) == len(slots)
+    monkeypatch.setattr(torch.nn, "Parameter", real_parameter)
+    assert alive and set(alive) == {0}, "the old copies were alive beside the new ones"
+    assert decoding._decode_weights["model"]() is other and len(decoding._decode_weights["slots"]) == len(old_copies)
     weight = model.lm_head.weight
     with pytest.raises(RuntimeError, match="inside"):
         with torch.autocast("cpu", dtype=torch.bfloat16), decoding.decode_weights(model):
