@@ -74,6 +74,7 @@ out = ""  # JSON output path, ending in .json ('' = run_dir/eval.json, else eval
 seed = 1337  # sampling seed (each set and each model starts from the same generator state)
 device = "auto"  # 'auto', 'cpu', 'cuda', ...
 dtype = "auto"  # 'auto' (bfloat16 autocast on CUDA, float32 on CPU), 'float32', 'bfloat16'
+static_rollout = "auto"  # decode on a static KV cache through a compiled step: 'auto' (on for CUDA), 'on', 'off' (as train.py)
 data_dir = "data"  # datasets live in data_dir/<name>/{train,test}.jsonl
 enable_thinking = False  # passed to the chat template (Qwen3: thinking off, the paper's setting)
 plots = False  # also write PNGs: the accuracy-matrix heatmap and drift curves (needs matplotlib)
@@ -639,7 +640,7 @@ def sample_with_eval_settings(model, tokenizer, tasks, cfg, autocast, *, n, batc
         return train.sample_and_score(model, tokenizer, tasks, n=n, temperature=cfg["temperature"], top_p=cfg["top_p"],
                               max_new_tokens=cfg["max_new_tokens"], batch_prompts=batch_prompts,
                               generator=train.make_generator(seed, dev), enable_thinking=cfg["enable_thinking"],
-                              progress=progress, static=train.use_static_rollout("auto", dev),
+                              progress=progress, static=train.use_static_rollout(cfg["static_rollout"], dev),
                               success_threshold=cfg["success_threshold"], math_checker=cfg["math_checker"])
 
 
@@ -899,6 +900,8 @@ def main(cfg):
         raise train.UserError(f"success_threshold={cfg['success_threshold']} is not in [0, 1] (0 = the run's)")
     cfg["success_threshold"] = cfg["success_threshold"] or run_cfg.get("success_threshold", 1.0)
     cfg["math_checker"] = cfg["math_checker"] or run_cfg.get("math_checker", "builtin")
+    if cfg["static_rollout"] not in train.CHOICES["static_rollout"]:
+        raise train.UserError(f"static_rollout={cfg['static_rollout']!r} is not one of {', '.join(train.CHOICES['static_rollout'])}")
     if cfg["math_checker"] not in train.CHOICES["math_checker"]:
         raise train.UserError(f"math_checker={cfg['math_checker']!r} is not one of {', '.join(train.CHOICES['math_checker'])}")
     if cfg["math_checker"] == "math_verify":

@@ -360,7 +360,8 @@ def test_user_errors(tmp_path):
     cfg = {key: getattr(ev, key) for key in ("run_dir", "model", "base_model", "eval_sets", "n", "k", "temperature",
                                             "top_p", "max_new_tokens", "max_prompts", "drift_prompts", "batch_prompts",
                                             "stage_drift", "out", "seed", "device", "dtype", "data_dir",
-                                            "enable_thinking", "plots", "spectral_k", "success_threshold", "math_checker")}
+                                            "enable_thinking", "plots", "spectral_k", "success_threshold", "math_checker",
+                                            "static_rollout")}
     with pytest.raises(train.UserError, match="nothing to evaluate"):
         ev.main(dict(cfg))
     with pytest.raises(train.UserError, match="not a folder"):
@@ -377,6 +378,8 @@ def test_user_errors(tmp_path):
         ev.main(dict(cfg, model="x", success_threshold=1.5))
     with pytest.raises(train.UserError, match="math_checker='sympy' is not one of builtin, math_verify"):
         ev.main(dict(cfg, model="x", math_checker="sympy"))
+    with pytest.raises(train.UserError, match="static_rollout='yes' is not one of auto, on, off"):
+        ev.main(dict(cfg, model="x", static_rollout="yes"))
 
 
 def test_eval_py_scores_as_the_run_scored_its_own_evals(toy_data, tmp_path, monkeypatch):
@@ -410,6 +413,11 @@ def test_eval_py_scores_as_the_run_scored_its_own_evals(toy_data, tmp_path, monk
     monkeypatch.setattr(ev, "read_run", trained_at_zero)
     ev.main(dict(cfg))
     assert set(seen) == {(0.0, "builtin")}
+    statics = []  # static_rollout: 'auto' is off on a CPU; 'on' reaches the sampler (decoded here without it)
+    monkeypatch.setattr(train, "sample_and_score", lambda *a, **kw: statics.append(kw["static"]) or real(*a, **dict(kw, static=False)))
+    ev.main(dict(cfg))
+    ev.main(dict(cfg, static_rollout="on"))
+    assert statics and statics == [False] * (len(statics) // 2) + [True] * (len(statics) // 2)
 
 
 def test_a_tokenizer_without_an_eos_token_takes_the_configs_or_says_so(finished_run, tmp_path, monkeypatch):
