@@ -199,6 +199,26 @@ def test_gpu_check_stopped_by_its_time_limit_still_writes_what_ran_and_stops_its
     assert not still, "the train.py run outlived gpu_check"
 
 
+def test_gpu_check_killed_outright_keeps_the_table_and_json_of_the_sections_that_finished(toy_data, tmp_path):
+    """The device kills a command that outlives its limit with SIGKILL (no handler runs, and gpu_session.sh's
+    lines after gpu_check do not either): the table and JSON, rewritten into --report-dir after every
+    section, still hold the sections that had finished."""
+    import signal
+    report = tmp_path / "report"
+    proc = subprocess.Popen([sys.executable, "tests/bench/gpu_check.py", "--cpu", "--only=d,e", f"--out={tmp_path / 'scratch'}",
+                             f"--report-dir={report}"], cwd=ROOT, stdout=subprocess.PIPE, text=True,
+                            env=dict(os.environ, OMP_NUM_THREADS="1"), start_new_session=True)
+    for line in proc.stdout:
+        if line.startswith("[e] train.py"):  # d has finished, e is running
+            break
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=60)
+    out = json.loads((report / "gpu_check_de.json").read_text())
+    assert out["not_finished"] == ["e"] and set(out["seconds"]) == {"d"} and out["checks"]
+    assert {c["section"] for c in out["checks"]} == {"d"} and "not finished: e" in (report / "gpu_check_de.md").read_text()
+    assert not [f for f in os.listdir(report) if f.endswith(".tmp")]
+
+
 def test_gpu_check_runs_every_section_in_cpu_mode(toy_data, tmp_path):
     """tests/bench/gpu_check.py --cpu runs the GPU check's code paths at tiny sizes: every section reports,
     the correctness checks pass, and the last line is the JSON with them (speed is not checked)."""
@@ -414,3 +434,26 @@ def test_teacher_signal_reads_func_through_its_expression_and_adds_the_feedback_
     rows = out["domains"]["func"]
     assert set(rows) == {"plain", "demo+", "demo-", "feedback-"} and set(out["overall"]) == {"plain", "demo+", "demo-"}
     assert rows["feedback-"]["prompt_len"] > rows["plain"]["prompt_len"] and rows["feedback-"]["logp_answer"] < 0
+
+
+def test_miniature_finishes_a_run_that_a_crash_left_half_written(toy_data, tmp_path, monkeypatch):
+    """A train.py killed after its first stage leaves accuracy_matrix.json and log.jsonl, and a second
+    train.py refuses that folder (it holds an earlier run): run_one trains it again from the start
+    (--overwrite=True), then evaluates it; --no_run's test (finished) does not take the half-written
+    folder for a finished one."""
+    from tests.experiments import miniature as mini
+    tiny = ["--init_from=scratch", "--n_layer=1", "--n_head=2", "--n_embd=32", "--block_size=128", "--eval_max_prompts=2",
+            "--eval_n=2", "--batch_prompts=2", "--group_size=2", "--micro_batch_size=4", "--max_new_tokens=4",
+            "--stages=toy/add:1,toy/mul:1"]
+    monkeypatch.setitem(mini.ARMS, "grpo", mini.arm(mini.G, *tiny, evaluate=False))
+    full = tmp_path / "grpo_s1"
+    full.mkdir()
+    (full / "accuracy_matrix.json").write_text(json.dumps({"eval_sets": ["toy/add"], "stages": ["toy/add"], "rows": [[0.3]],
+                                                            "base": {"toy/add": 0.2}}))
+    (full / "log.jsonl").write_text(json.dumps({"iter": 1, "stage": "toy/add", "reward": 0.1}) + "\n")
+    assert not mini.finished(str(full))
+    assert mini.run_one("grpo", 1, str(tmp_path)) == (str(full), None)
+    assert mini.finished(str(full)) and "--overwrite=True" in (full / "run.out").read_text()
+    matrix = json.loads((full / "accuracy_matrix.json").read_text())
+    assert matrix["stages"] == ["toy/add", "toy/mul"] and len(matrix["rows"]) == 2  # the rerun's, not the crash's row
+    assert mini.run_metrics(str(full))["collapse"] in (0.0, 1.0)

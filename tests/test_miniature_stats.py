@@ -1,5 +1,8 @@
 """The statistics of tests/experiments/miniature.py (pure functions; no training runs)."""
+import json
 import math
+
+import pytest
 
 from tests.experiments import miniature as mini  # conftest.py puts the repo root on sys.path
 
@@ -28,6 +31,13 @@ def test_bootstrap_ci_is_reproducible_brackets_the_mean_and_shrinks_with_n():
 def test_t_quantile_matches_tables():
     for df, q in ((1, 12.706), (2, 4.303), (3, 3.182), (7, 2.365), (8, 2.306), (15, 2.131), (30, 2.042)):
         assert abs(mini.t_quantile(0.975, df) - q) < 0.001, df
+
+
+def test_t_ci_is_mean_plus_minus_t_with_n_minus_1_degrees_of_freedom():
+    lo, hi = mini.t_ci([1.0, 2.0, 3.0, 4.0])  # mean 2.5, SE sqrt(5/3)/2, t(0.975, df=3) = 3.182446
+    h = 3.182446305284263 * math.sqrt(5 / 3) / 2
+    assert math.isclose(lo, 2.5 - h, rel_tol=1e-9) and math.isclose(hi, 2.5 + h, rel_tol=1e-9)
+    assert all(math.isnan(v) for v in mini.t_ci([1.0]))
 
 
 def test_wilson_interval_known_values():
@@ -94,3 +104,49 @@ def test_contrasts_difference_of_differences():
     c = by["(sdpo_mid − grpo_mid) − (sdpo_near − grpo_near)"]
     assert math.isclose(c["mean"], 0.1) and c["verdict"] == "> 0"
     assert by["grpo_mid − grpo_near"]["verdict"] == "no difference resolved"  # identical values: all zero
+
+
+@pytest.mark.parametrize("k, verdict", [(5, "no difference resolved"), (6, "sdpo > grpo")])
+def test_collapse_verdict_needs_mcnemar_below_0_05(k, verdict):
+    # k of 8 pairs discordant, all one way: both intervals exclude 0 for k = 5 and 6, McNemar p = 0.0625 / 0.03125
+    seeds = list(range(1, 9))
+    per_run = {("grpo", s): {"collapse": 0.0} for s in seeds} | {("sdpo", s): {"collapse": float(s <= k)} for s in seeds}
+    row = mini.report(["grpo", "sdpo"], seeds, per_run)[1]["comparisons"][0]
+    assert row["ci"][0] > 0 and row["t_ci"][0] > 0 and row["mcnemar_p"] == 2 / 2 ** k and row["verdict"] == verdict
+
+
+def test_mcnemar_uses_the_pairs_the_intervals_use():
+    seeds = list(range(1, 9))  # 6 collapses one way, but grpo seed 6 has no value: 5 discordant pairs of 7
+    per_run = {("grpo", s): {"collapse": None if s == 6 else 0.0} for s in seeds}
+    per_run |= {("sdpo", s): {"collapse": float(s <= 6)} for s in seeds}
+    row = mini.report(["grpo", "sdpo"], seeds, per_run)[1]["comparisons"][0]
+    assert row["n"] == 7 and row["mcnemar_p"] == 2 / 2 ** 5 and row["verdict"] == "no difference resolved"
+
+
+def _matrix_run(folder, rows):
+    sets = ["toy/add", "toy/sub", "toy/mul", "toy/sort", "toy/rev"]
+    matrix = {"eval_sets": sets, "stages": ["toy/add", "toy/mul", "toy/sort"][:len(rows)], "rows": rows,
+              "base": dict.fromkeys(sets, 0.2)}
+    (folder / "accuracy_matrix.json").write_text(json.dumps(matrix))
+    return str(folder)
+
+
+def test_run_metrics_forgetting_and_collapse_are_over_the_domains_trained_before_the_last_stage(tmp_path):
+    rows = [[0.40, 0.20, 0.20, 0.20, 0.20],  # after add
+            [0.30, 0.20, 0.45, 0.20, 0.20],  # after mul
+            [0.10, 0.01, 0.30, 0.01, 0.01]]  # after sort: sub, sort, rev < 0.05, none trained before the last stage
+    m = mini.run_metrics(_matrix_run(tmp_path, rows))
+    assert m["first_acc"] == 0.40 and math.isclose(m["first_gain"], 0.20) and m["sort"] == 0.01
+    assert math.isclose(m["forgetting"], ((0.40 - 0.10) + (0.45 - 0.30)) / 2)  # add and mul only
+    assert m["collapse"] == 0.0
+    rows[2][2] = 0.05  # mul at the threshold: not below it
+    assert mini.run_metrics(_matrix_run(tmp_path, rows))["collapse"] == 0.0
+    rows[2][2] = 0.04
+    assert mini.run_metrics(_matrix_run(tmp_path, rows))["collapse"] == 1.0
+    view = mini.run_metrics(_matrix_run(tmp_path, rows), n_stages=2)  # the first two stages: add forgotten, mul last
+    assert math.isclose(view["forgetting"], 0.40 - 0.30) and view["collapse"] == 0.0
+
+
+def test_a_view_of_a_run_with_fewer_stages_is_not_read(tmp_path):
+    with pytest.raises(ValueError, match="the view needs 2"):  # a crashed run's one stage is not its first two
+        mini.run_metrics(_matrix_run(tmp_path, [[0.4, 0.2, 0.2, 0.2, 0.2]]), n_stages=2)

@@ -6,7 +6,9 @@
     bash tests/bench/gpu_session.sh a,c,d          # on a machine without network: installs the carried .whl/ (Liger,
                                                    # tests/bench/gpu_wheels.sh), runs one command, gathers $OUT
 Each command writes into --out (default: a new temp dir, kept): its table (gpu_check_<sections>.md),
-the full JSON (gpu_check_<sections>.json), and the train.py runs with their logs (logs/); it prints
+the full JSON (gpu_check_<sections>.json), and the train.py runs with their logs (logs/); the table and
+JSON go to --report-dir instead when given (gpu_session.sh: $OUT), rewritten after every section, so
+a command killed outright (the device's limit: SIGKILL) keeps the sections that finished; it prints
 the table and, last, a short JSON line (the verdicts and the files), well under the 12,000 characters
 a device call returns.
 
@@ -745,11 +747,11 @@ def report_decode_state_frees(C, frees):
 
 # ============================================================================= main
 
-def table(C):
+def table(rows, errors):
     lines = ["| sec | check | status | numbers |", "|---|---|---|---|"]
-    for r in C.rows:
+    for r in rows:
         lines.append(f"| {r['section']} | {r['name']} | {r['status']} | {r['summary'].replace('|', '/')} |")
-    for s, e in C.errors.items():
+    for s, e in errors.items():
         lines.append(f"| {s} | section raised | FAIL | {e} |")
     return "\n".join(lines)
 
@@ -762,6 +764,8 @@ def main(argv=None):
                                                 "(default: a new temp dir, kept)")
     ap.add_argument("--strict", action="store_true", help="also exit non-zero when a GPU target is missed")
     ap.add_argument("--serial", action="store_true", help="--cpu: run section b after a instead of beside the others")
+    ap.add_argument("--report-dir", default=None, help="folder for the table and the JSON (default: --out); they are "
+                    "rewritten after every section, so a command killed mid-way keeps what had finished")
     args = ap.parse_args(argv)
     only = [s.strip() for s in args.only.split(",") if s.strip()]
     if not only or any(s not in SECTIONS for s in only):
@@ -770,6 +774,8 @@ def main(argv=None):
         sys.exit("error: no CUDA device: run on a GPU machine, or use --cpu for the tiny CPU version")
     args.out = os.path.abspath(args.out or tempfile.mkdtemp(prefix="gpu_check_"))
     os.makedirs(args.out, exist_ok=True)
+    args.report_dir = os.path.abspath(args.report_dir or args.out)
+    os.makedirs(args.report_dir, exist_ok=True)
     if not os.path.exists(os.path.join(ROOT, "data", "toy", "tokenizer", "tokenizer_config.json")) or \
             not os.path.exists(os.path.join(ROOT, "data", "toy", "add", "train.jsonl")):
         subprocess.run([sys.executable, os.path.join(ROOT, "data", "toy", "prepare.py")], cwd=ROOT, check=True,
@@ -808,6 +814,39 @@ def main(argv=None):
         C.seconds[s] = round(time.perf_counter() - t0, 1)
         C.say(s, f"== {s} done in {C.seconds[s]:.1f} s")
 
+    order = {s: i for i, s in enumerate(SECTIONS)}
+    tag = "".join(only)
+    files = {"table": os.path.join(args.report_dir, f"gpu_check_{tag}.md"),
+             "json": os.path.join(args.report_dir, f"gpu_check_{tag}.json"), "logs": os.path.join(args.out, "logs")}
+
+    def write_report():
+        """The table and the JSON of what has run so far (after every section: a kill keeps them)."""
+        total = round(time.perf_counter() - t_start, 1)
+        with C.lock:
+            rows = sorted(C.rows, key=lambda r: order[r["section"]])  # stable: each section's checks in the order they ran
+            errors, seconds = dict(C.errors), dict(C.seconds)
+        correctness = {f"{r['section']}: {r['name']}": r["status"] for r in rows if r["kind"] == "correctness"}
+        targets = {f"{r['section']}: {r['name']}": r["status"] for r in rows if r["kind"] in ("target", "aim")}
+        correct = all(v == "PASS" for v in correctness.values()) and not errors
+        targets_met = all(v in ("PASS", "SKIP", "INFO") for v in targets.values())
+        not_run = [s for s in only if s not in seconds]
+        verdict = "correctness: " + ("all PASS" if correct else "FAILED") + "; targets: " + \
+                  ("met" if targets_met else "missed") + ("" if not args.cpu else " (cpu: not applied)") + \
+                  (f"; not finished: {','.join(not_run)}" if not_run else "")
+        report = "\n".join([f"## gpu_check: {device}" + (" (--cpu: tiny sizes)" if args.cpu else "") + f", torch "
+                            f"{torch.__version__}, transformers {transformers.__version__}; {total:.0f} s (" +
+                            ", ".join(f"{s} {seconds[s]:.0f} s" for s in only if s in seconds) + ")", "",
+                            table(rows, errors), "", verdict])
+        result = {"mode": "cpu" if args.cpu else "cuda", "device": device, "torch": torch.__version__,
+                  "transformers": transformers.__version__, "liger_kernel": liger, "sections": only,
+                  "seconds": seconds, "total_s": total, "correctness": correctness, "correctness_ok": correct,
+                  "targets": targets, "targets_ok": targets_met, "errors": errors, "not_finished": not_run, "files": files}
+        for key, text in (("table", report + "\n"), ("json", json.dumps(dict(result, checks=rows), indent=1, default=str))):
+            with open(files[key] + ".tmp", "w") as f:
+                f.write(text)
+            os.replace(files[key] + ".tmp", files[key])  # whole or not there
+        return report, result, correct and (targets_met or not args.strict)
+
     # --cpu: section b is subprocesses only; let it run beside the in-process sections
     background = args.cpu and not args.serial and "b" in only and len(only) > 1
     thread = threading.Thread(target=run_section, args=("b",)) if background else None
@@ -817,6 +856,7 @@ def main(argv=None):
         for s in only:
             if not (thread and s == "b"):
                 run_section(s)
+                write_report()
         if thread:
             thread.join()
     except KeyboardInterrupt:  # SIGTERM / SIGINT: gpu_session.sh's time limit; what ran is still written out below
@@ -825,35 +865,11 @@ def main(argv=None):
         C.errors[C.current] = "interrupted (a signal: gpu_session.sh's time limit) in this section"
         C.say(C.current, f"FAIL {C.errors[C.current]}; sections not run: "
               f"{', '.join(s for s in only if s not in C.seconds and s != C.current) or 'none'}")
-    total = round(time.perf_counter() - t_start, 1)
-
-    order = {s: i for i, s in enumerate(SECTIONS)}
-    C.rows.sort(key=lambda r: order[r["section"]])  # stable: each section's checks in the order they ran
-    correctness = {f"{r['section']}: {r['name']}": r["status"] for r in C.rows if r["kind"] == "correctness"}
-    targets = {f"{r['section']}: {r['name']}": r["status"] for r in C.rows if r["kind"] in ("target", "aim")}
-    correct = all(v == "PASS" for v in correctness.values()) and not C.errors
-    targets_met = all(v in ("PASS", "SKIP", "INFO") for k, v in targets.items())
-    verdict = "correctness: " + ("all PASS" if correct else "FAILED") + "; targets: " + \
-              ("met" if targets_met else "missed") + ("" if not args.cpu else " (cpu: not applied)")
-    report = "\n".join([f"## gpu_check: {device}" + (" (--cpu: tiny sizes)" if args.cpu else "") + f", torch "
-                        f"{torch.__version__}, transformers {transformers.__version__}; {total:.0f} s (" +
-                        ", ".join(f"{s} {C.seconds[s]:.0f} s" for s in only if s in C.seconds) + ")", "", table(C), "",
-                        verdict])
-    tag = "".join(only)
-    files = {"table": os.path.join(args.out, f"gpu_check_{tag}.md"), "json": os.path.join(args.out, f"gpu_check_{tag}.json"),
-             "logs": os.path.join(args.out, "logs")}
-    result = {"mode": "cpu" if args.cpu else "cuda", "device": device, "torch": torch.__version__,
-              "transformers": transformers.__version__, "liger_kernel": liger, "sections": only,
-              "seconds": C.seconds, "total_s": total, "correctness": correctness, "correctness_ok": correct,
-              "targets": targets, "targets_ok": targets_met, "errors": C.errors, "files": files}
-    with open(files["table"], "w") as f:
-        f.write(report + "\n")
-    with open(files["json"], "w") as f:
-        json.dump(dict(result, checks=C.rows), f, indent=1, default=str)
+    report, result, ok = write_report()
     print()
     print(report)
     print(json.dumps(result, default=str))  # the short form: the checks' numbers are in files["json"]
-    return 0 if correct and (targets_met or not args.strict) else 1
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

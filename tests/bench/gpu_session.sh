@@ -20,10 +20,12 @@ fi
 scratch=$(mktemp -d /tmp/gpu_check_XXXX)
 tag=${sections//,/}
 # a time limit below the device's 600 s per command: on timeout's SIGTERM gpu_check stops its train.py runs
-# and still writes the table and JSON of what ran, and the copies below still happen
+# and still writes the table and JSON of what ran. The device kills the whole command (SIGKILL, no
+# handler runs) at its own limit, min(timeout_s, the session's device time left): set GPU_CHECK_LIMIT
+# at least 40 s below that when less than 580 s are left. gpu_check writes its table and JSON into $OUT
+# after every section, so even such a kill keeps the sections that had finished.
 PYTHONUNBUFFERED=1 timeout -k 30 "${GPU_CHECK_LIMIT:-540}" \
-    python3 tests/bench/gpu_check.py --only="$sections" --out="$scratch" "$@" 2>&1 | tee "$out/console_$tag.log"
+    python3 tests/bench/gpu_check.py --only="$sections" --out="$scratch" --report-dir="$out" "$@" 2>&1 | tee "$out/console_$tag.log"
 rc=${PIPESTATUS[0]}
-cp "$scratch"/gpu_check_*.md "$scratch"/gpu_check_*.json "$out"/ 2>/dev/null
 tar -czf "$out/logs_$tag.tgz" -C "$scratch" logs 2>/dev/null
 exit "$rc"

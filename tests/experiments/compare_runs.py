@@ -15,13 +15,20 @@ def iters(path):
         return {x["iter"]: x for x in map(json.loads, f) if "reward" in x and "eval_tag" not in x and "eval" not in x}
 
 
+def gap(x, y):
+    """|x − y|; 0 for NaN in both, inf for NaN in one (abs(nan − y) is nan, which max() may pass over)."""
+    if x == y or (x != x and y != y):
+        return 0
+    return abs(x - y) if x == x and y == y else float("inf")
+
+
 def compare(a, b):
     ma, mb = (json.load(open(p + "/accuracy_matrix.json")) for p in (a, b))
     same_matrix = ma["rows"] == mb["rows"] and ma.get("base") == mb.get("base")
     ia, ib = iters(a), iters(b)
     shared = sorted(set(ia) & set(ib))
     keys = sorted({k for i in shared for k in ia[i] if k in ib[i] and k not in SKIP and isinstance(ia[i][k], (int, float))})
-    diffs = {k: max(abs(ia[i][k] - ib[i][k]) for i in shared if k in ia[i] and k in ib[i]) for k in keys}
+    diffs = {k: max(gap(ia[i][k], ib[i][k]) for i in shared if k in ia[i] and k in ib[i]) for k in keys}
     return same_matrix, len(shared), {k: v for k, v in diffs.items() if v != 0}, ma["rows"], mb["rows"]
 
 

@@ -7,6 +7,7 @@ GRPO vs SDPO on one toy domain, same iterations, batch and seed: in-domain test 
 Needs the toy base: python data/toy/prepare.py && python train.py config/toy_base.py
 """
 import argparse
+import hashlib
 import json
 import os
 import subprocess
@@ -29,11 +30,15 @@ if __name__ == "__main__":
     p.add_argument("extra", nargs="*", help="more --key=value overrides for both runs")
     args = p.parse_args()
     curves = {}
+    # the overrides name the folder too: a run with other overrides is another run
+    tag = "_" + hashlib.sha1(" ".join(args.extra).encode()).hexdigest()[:8] if args.extra else ""
     for algo in ("grpo", "sdpo"):
-        out = os.path.join(args.out_root, f"{algo}_{args.dataset.replace('/', '_')}_s{args.seed}")
-        if not os.path.exists(os.path.join(out, "ckpt", "trainer", "state.json")):
+        out = os.path.join(args.out_root, f"{algo}_{args.dataset.replace('/', '_')}_s{args.seed}{tag}")
+        # finished: its one stage's accuracy matrix is written after its last iteration (ckpt/ exists from
+        # iteration 0 on); paths from ROOT, where train.py runs, whatever the current folder
+        if not os.path.exists(os.path.join(ROOT, out, "accuracy_matrix.json")):
             cmd = [sys.executable, "train.py", f"config/{algo}_toy.py", f"--dataset={args.dataset}",
-                   f"--seed={args.seed}", f"--out_dir={out}", *args.extra]
+                   f"--seed={args.seed}", f"--out_dir={out}", "--overwrite=True", *args.extra]
             print("+", " ".join(cmd), flush=True)
             subprocess.run(cmd, cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
         curves[algo] = curve(os.path.join(ROOT, out), args.dataset)

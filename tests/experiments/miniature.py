@@ -69,6 +69,8 @@ FUNC = ("--init_from=out/toy_base_code/ckpt", f"--stages=toy/func:{FUNC_ITERS}",
 ARMS = {
     # main: GRPO vs SDPO at three supervision densities (EMA teacher, tau 0.05)
     "grpo": arm(G),
+    # stability (RESULTS.md, "Why lr 1e-4"): GRPO at the lr the miniature was first built with
+    "grpo_lr3e-4": arm(G, "--learning_rate=3e-4"),
     "sdpo": arm(S, ref="grpo"),
     "sdpo_d0.5": arm(S, "--density=0.5", ref="grpo"),
     "sdpo_d0.25": arm(S, "--density=0.25", ref="grpo"),
@@ -100,6 +102,7 @@ ARMS = {
 }
 EXPERIMENTS = {
     "main": ["grpo", "sdpo", "sdpo_d0.5", "sdpo_d0.25"],
+    "stability": ["grpo", "grpo_lr3e-4"],
     "teacher": ["sdpo", "sdpo_frozen", "sdpo_ema0.01", "sdpo_tr0.05", "grpo"],
     "distance": ["grpo_near", "sdpo_near", "grpo_mid", "sdpo_mid", "grpo_far", "sdpo_far"],
     "select": ["grpo", "sdpo", "sdpo_d0.25", "sdpo_d0.25_disagree", "sdpo_d0.25_last"],
@@ -118,7 +121,7 @@ CONTRASTS = {"feedback": [  # the feedback arm against GRPO (its reference is SD
     ("forgetting", {"sdpo_mid": 1, "grpo_mid": -1, "sdpo_far": -1, "grpo_far": 1}),
 ]}
 # A run collapses when a domain it trained on in an earlier stage ends below COLLAPSE_ACC mean@4
-# (the toy base holds every domain at 0.15-0.36: below 0.05 is most of it gone).
+# (the toy base holds every domain at 0.11-0.50, RESULTS.md "Toy base": below 0.05 is most of it gone).
 COLLAPSE_ACC = 0.05
 # (key, label); every metric is a number per run (None where undefined)
 METRICS = [
@@ -281,6 +284,8 @@ def run_metrics(out_dir, n_stages=None):
     with open(os.path.join(out_dir, "accuracy_matrix.json")) as f:
         c = json.load(f)
     if n_stages is not None:
+        if len(c["rows"]) < n_stages:
+            raise ValueError(f"{out_dir}: {len(c['rows'])} stages in accuracy_matrix.json, the view needs {n_stages}")
         c = dict(c, stages=c["stages"][:n_stages], rows=c["rows"][:n_stages])
     c = {**c, **continual_metrics(c)}
     sets, rows = c["eval_sets"], c["rows"]
@@ -340,8 +345,13 @@ def run_one(name, seed, out_root):
     return out, None
 
 
+def finished(full):
+    """run_one's test: train.py (and eval.py, for an arm that runs it) finished in this folder."""
+    return os.path.exists(os.path.join(full, "done")) or os.path.exists(os.path.join(full, "eval.json"))
+
+
 def _run_locked(a, seed, out, full):
-    if not (os.path.exists(os.path.join(full, "done")) or os.path.exists(os.path.join(full, "eval.json"))):
+    if not finished(full):
         env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
         os.makedirs(full, exist_ok=True)
         cmds = [[sys.executable, "train.py", a["config"], *a["overrides"], f"--seed={seed}", f"--out_dir={out}"]]
@@ -350,6 +360,8 @@ def _run_locked(a, seed, out, full):
                          "--drift_prompts=64", "--stage_drift=False", f"--seed={seed}"])
         if os.path.exists(os.path.join(full, "trained")):  # train.py finished earlier; eval.py did not
             cmds = cmds[1:]
+        else:  # a train.py that crashed or was killed left its outputs here: train again from the start
+            cmds[0].append("--overwrite=True")  # (train.py refuses an out_dir holding an earlier run's files)
         with open(os.path.join(full, "run.out"), "a") as log:
             for cmd in cmds:
                 print("+", " ".join(cmd), flush=True)
@@ -375,18 +387,24 @@ def _f(x, digits=3):
     return "–" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{digits}f}"
 
 
-def cell(s, digits=3):
+def _n_note(got, n):
+    return f" (n={got})" if n is not None and got < n else ""
+
+
+def cell(s, digits=3, n=None):
+    """n: the seeds the table names; a cell over fewer (a missing value) says how many."""
     if "wilson" in s:
         return f"{s['k']}/{s['n']} [{_f(s['wilson'][0], 2)}, {_f(s['wilson'][1], 2)}]"
     if not s["n"]:
         return "–"
-    return f"{_f(s['mean'], digits)} ± {_f(s['se'], digits)} [{_f(s['ci'][0], digits)}, {_f(s['ci'][1], digits)}]"
+    return (f"{_f(s['mean'], digits)} ± {_f(s['se'], digits)} [{_f(s['ci'][0], digits)}, {_f(s['ci'][1], digits)}]"
+            + _n_note(s["n"], n))
 
 
-def diff_cell(d, digits=3):
-    """A paired difference: mean ± SE [bootstrap 95 %] [t 95 %]."""
+def diff_cell(d, digits=3, n=None):
+    """A paired difference: mean ± SE [bootstrap 95 %] [t 95 %] (and its number of pairs when below n)."""
     return (f"{_f(d['mean'], digits)} ± {_f(d['se'], digits)} [{_f(d['ci'][0], digits)}, {_f(d['ci'][1], digits)}] "
-            f"[{_f(d['t_ci'][0], digits)}, {_f(d['t_ci'][1], digits)}]")
+            f"[{_f(d['t_ci'][0], digits)}, {_f(d['t_ci'][1], digits)}]" + _n_note(d["n"], n))
 
 
 def report(arms, seeds, per_run, ref_override=None):
@@ -399,7 +417,7 @@ def report(arms, seeds, per_run, ref_override=None):
              "collapse: count/n [Wilson 95 %]", "",
              "| metric | " + " | ".join(arms) + " |", "|---|" + "---|" * len(arms)]
     for k, label in metrics:
-        lines.append(f"| {label} | " + " | ".join(cell(summary[a][k], digits[k]) for a in arms) + " |")
+        lines.append(f"| {label} | " + " | ".join(cell(summary[a][k], digits[k], len(seeds)) for a in arms) + " |")
     comparisons = []
     for a in arms:
         ref = ARMS[a]["ref"] if ref_override is None else (None if ref_override in ("none", a) else ref_override)
@@ -413,7 +431,8 @@ def report(arms, seeds, per_run, ref_override=None):
                 continue
             row = {"arm": a, "ref": ref, "metric": k, **dd, "verdict": verdict(dd, a, ref)}
             if k in BINARY:  # 0/1 outcomes: the intervals of a mean of 8 zeros and ones are too optimistic
-                row["mcnemar_p"] = mcnemar_exact([v == 1.0 for v in x], [v == 1.0 for v in y])
+                pairs = [(u, v) for u, v in zip(x, y) if _clean([u]) and _clean([v])]  # paired_diff's pairs
+                row["mcnemar_p"] = mcnemar_exact([u == 1.0 for u, _ in pairs], [v == 1.0 for _, v in pairs])
                 if row["mcnemar_p"] >= 0.05:
                     row["verdict"] = "no difference resolved"
             comparisons.append(row)
@@ -425,7 +444,7 @@ def report(arms, seeds, per_run, ref_override=None):
         for row in comparisons:
             dg = digits[row["metric"]]
             extra = f"; McNemar p {row['mcnemar_p']:.3f}" if "mcnemar_p" in row else ""
-            lines.append(f"| {row['arm']} − {row['ref']} | {labels[row['metric']]} | {diff_cell(row, dg)}{extra} | {row['verdict']} |")
+            lines.append(f"| {row['arm']} − {row['ref']} | {labels[row['metric']]} | {diff_cell(row, dg, len(seeds))}{extra} | {row['verdict']} |")
     return lines, {"summary": summary, "comparisons": comparisons}
 
 
@@ -484,7 +503,7 @@ if __name__ == "__main__":
     if args.no_run:
         dirs = {(a, s): ((run_dir(ARMS[a]["view"][0], s, args.out_root), ARMS[a]["view"][1]) if ARMS[a]["view"]
                          else (run_dir(a, s, args.out_root), None)) for a, s in todo}
-        missing = sorted({d for d, _ in dirs.values() if not os.path.exists(os.path.join(ROOT, d, "accuracy_matrix.json"))})
+        missing = sorted({d for d, _ in dirs.values() if not finished(os.path.join(ROOT, d))})
         if missing:
             sys.exit(f"--no_run: no finished run in {', '.join(missing)}; run without --no_run first")
     else:  # views last: their source runs are then done or running

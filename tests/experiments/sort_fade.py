@@ -175,9 +175,9 @@ if __name__ == "__main__":
     todo = [(a, s) for s in seeds for a in arms]
     if args.no_run:
         dirs = {t: os.path.join(ROOT, args.out_root, f"{t[0]}_s{t[1]}") for t in todo}
-        missing = sorted(d for d in dirs.values() if not os.path.exists(os.path.join(d, "log.jsonl")))
+        missing = sorted(d for d in dirs.values() if not os.path.exists(os.path.join(d, "done")))  # run_one's marker
         if missing:
-            sys.exit(f"--no_run: no run in {', '.join(missing)}; run without --no_run first")
+            sys.exit(f"--no_run: no finished run in {', '.join(missing)}; run without --no_run first")
     else:
         with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
             dirs = dict(zip(todo, pool.map(lambda t: run_one(t[0], t[1], args.out_root), todo)))

@@ -56,16 +56,27 @@ def drift(state, state0):
     return out
 
 
-def run_drift(run, base_state, cache):
+def source(run, base):
+    """What a cache entry was computed from: the run folder, its final weights' mtime, the base folder."""
+    weights = os.path.join(run, "ckpt", "model.safetensors")
+    return {"run": os.path.abspath(run), "mtime": os.path.getmtime(weights) if os.path.exists(weights) else None,
+            "base": os.path.abspath(base)}
+
+
+def run_drift(run, base_state, cache, base):
+    """The run's drift, from the cache when it was computed from this run folder (as it is now) and base."""
+    key = source(run, base)
     if os.path.exists(cache):
         with open(cache) as f:
-            return json.load(f)
+            got = json.load(f)
+        if got.get("source") == key:  # (a cache of another --root, a rerun or another --base is recomputed)
+            return got["drift"]
     res = {"final": drift(load(os.path.join(run, "ckpt")), base_state)}
     for snap in sorted(glob.glob(os.path.join(run, "stage*_*"))):
         res[os.path.basename(snap).split("_")[0]] = drift(load(snap), base_state)
     os.makedirs(os.path.dirname(cache), exist_ok=True)
     with open(cache, "w") as f:
-        json.dump(res, f)
+        json.dump({"source": key, "drift": res}, f)
     return res
 
 
@@ -84,7 +95,8 @@ if __name__ == "__main__":
     args = p.parse_args()
     arms, seeds = args.arms.split(","), mini.parse_seeds(args.seeds)
     base = load(os.path.join(ROOT, args.base))
-    res = {(a, s): run_drift(os.path.join(args.root, f"{a}_s{s}"), base, os.path.join(ROOT, args.out, f"{a}_s{s}.json"))
+    res = {(a, s): run_drift(os.path.join(args.root, f"{a}_s{s}"), base, os.path.join(ROOT, args.out, f"{a}_s{s}.json"),
+                             os.path.join(ROOT, args.base))
            for a in arms for s in seeds}
     for part in ["final"] + (["stage1", "stage2", "stage3"] if args.stages else []):
         print(f"\n## {part}: mean ± SE [bootstrap 95 %] over {len(seeds)} seeds\n")

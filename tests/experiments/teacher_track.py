@@ -32,6 +32,10 @@ if __name__ == "__main__":
     for a in args.arms.split(","):
         runs = {s: evals(os.path.join(args.root, f"{a}_s{s}")) for s in seeds}
         tags = [x["eval_tag"] for x in runs[seeds[0]]]
+        uneven = [s for s in seeds if [x["eval_tag"] for x in runs[s]] != tags]  # row i must be one eval in every seed
+        if uneven:
+            sys.exit(f"{a}: seeds {uneven} have other evals than seed {seeds[0]} ({', '.join(tags)}): "
+                     "an unfinished or a different run")
         print(f"\n{a} ({len(seeds)} seeds): student / teacher mean@4, mean ± SE\n")
         print("| eval | " + " | ".join(sets) + " |\n|---|" + "---|" * len(sets))
         for i, tag in enumerate(tags):
