@@ -409,8 +409,8 @@ def decode(model, prompts, *, group_size, max_new_tokens, temperature, top_p, eo
         tokens.append(token)
         logps.append(logp)
         done |= torch.isin(token, eos)
-        if (t + 1) % stop_check == 0 and done.all():
-            break
+        if t + 1 == max_new_tokens or ((t + 1) % stop_check == 0 and done.all()):
+            break  # (after the last token: no forward whose logits nothing samples from)
         if not fast:
             mask = torch.cat([mask, mask.new_ones(rows, 1)], dim=1)
         position = position + 1 if position is not None else None

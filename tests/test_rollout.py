@@ -83,6 +83,16 @@ def test_the_nucleus_found_among_the_top_k_is_the_one_a_full_sort_finds():
     assert torch.equal(train.nucleus(small, 0.9), by_full_sort(small, 0.9))
 
 
+def test_decoding_n_tokens_runs_one_prefill_and_n_minus_1_steps(monkeypatch):
+    """No forward after the last token (its logits would be sampled from by nothing)."""
+    model, calls = tiny_qwen2(), []
+    real = train.forward_with_cache
+    monkeypatch.setattr(train, "forward_with_cache", lambda *a, **k: calls.append(a[1].shape[1]) or real(*a, **k))
+    out = train.generate(model, [[1, 4, 5], [8]], group_size=2, max_new_tokens=6, temperature=1.0, top_p=1.0,
+                         eos_ids=[99], pad_id=0, generator=torch.Generator().manual_seed(0))  # 99: never sampled
+    assert all(len(r) == 6 for r in out.response_ids) and calls == [3] + [1] * 5
+
+
 def test_generate_pad_equal_to_eos_still_keeps_the_stop_token():
     model = tiny_qwen2()
     g = torch.Generator().manual_seed(0)
