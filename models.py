@@ -142,8 +142,8 @@ def check_model(model):
     topk, positions = getattr(config, "index_topk", None), getattr(config, "max_position_embeddings", None)
     if topk and positions and topk < positions:
         raise ModelError(f"{name}: config index_topk={topk} (sparse attention) is not supported: past {topk} tokens its "
-                         "KV-cached decode attends to other keys than a full forward; index_topk >= "
-                         f"max_position_embeddings ({positions}) in config.json keeps every key (dense) and is")
+                         "KV-cached decode attends to other keys than a full forward; set index_topk >= "
+                         f"max_position_embeddings ({positions}) in config.json to train it with every key kept (dense)")
     head = model.get_output_embeddings()
     if not isinstance(head, torch.nn.Linear):
         raise ModelError(f"{name}: its LM head is a {type(head).__name__}, not one linear layer")

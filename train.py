@@ -360,10 +360,11 @@ def generate(model, prompts, *, group_size, max_rows=0, progress=False, **sampli
 
     def decode_chunk(i):
         part = prompts[i:i + per_call]
-        # the static cache is kept per row count: a short chunk, padded to per_call prompts with copies of its
-        # last one (their rows dropped), decodes on the live buffers instead of reallocating them (and the
-        # next full chunk reallocating them again), so the CUDA graphs replay
-        short = per_call - len(part) if static and max_rows > 0 else 0
+        # the static cache is kept per row count: a call's short last chunk, padded to per_call prompts with
+        # copies of its last one (their rows dropped), decodes on the live buffers instead of reallocating them
+        # (and the next full chunk reallocating them again), so the CUDA graphs replay. A call in one chunk is
+        # not padded: max_rows may be far above its rows
+        short = per_call - len(part) if static and len(starts) > 1 else 0
         out = decode(model, part + part[-1:] * short, group_size=group_size, **sampling)
         return out.take(range(len(part) * group_size)) if short else out
     with eval_mode(model), frozen_flags(model, enabled=static), decode_weights(model, enabled=static):

@@ -317,6 +317,11 @@ def test_a_short_last_chunk_decodes_on_the_live_static_cache_and_gives_the_one_b
         for a, b in zip(chunked.old_logprobs, one_batch.old_logprobs):
             torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
     assert len(made) == 1 and len(decoding._static_caches) == 1
+    calls, real_decode = [], train.decode
+    monkeypatch.setattr(train, "decode", lambda m, p, **k: calls.append(len(p)) or real_decode(m, p, **k))
+    rollout(True, 6)
+    rollout(True, 64)  # 14 rows in one chunk: not padded to 32 prompts
+    assert calls == [3, 3, 3, 7]
     decoding.free_decode_state()
 
 
