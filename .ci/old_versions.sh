@@ -29,4 +29,5 @@ OMP_NUM_THREADS=1 "$venv/bin/python" -m pytest -q -p no:cacheprovider -n auto --
     tests/test_run_folder.py::test_a_fresh_run_into_an_earlier_run_refuses_unless_told_to_overwrite \
     tests/test_guard.py::test_collapse_guard_stops_on_nan_and_keeps_a_loadable_checkpoint \
     tests/test_bench.py::test_gpu_check_runs_every_section_in_cpu_mode \
-    tests/test_bench.py::test_the_device_session_script_brings_back_the_table_json_console_and_logs
+    tests/test_bench.py::test_the_device_session_script_brings_back_the_table_json_console_and_logs \
+    tests/test_bench.py::test_gpu_check_killed_outright_keeps_the_table_and_json_of_the_sections_that_finished
