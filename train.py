@@ -501,12 +501,14 @@ def teacher_contexts(tasks, texts, rewards, feedbacks, group_size, cfg):
 
 def teacher_inputs(texts, rewards, feedbacks, group_size, cfg):
     """Per rollout row: (demonstration or None, feedback or None), or None when it has no signal."""
+    demos = [strip_thinking(t) if cfg["remove_thinking"] else t for t in texts]
+    # a success whose answer sits in its thinking block (the checkers read it there) demonstrates nothing
+    # once that is stripped: the next successful peer is the demonstration, not an empty one
+    usable = [r if d.strip() else -math.inf for r, d in zip(rewards, demos)]
     out = []
     for i in range(len(texts)):
-        j = pick_peer(rewards, group_size, i, cfg["success_threshold"], cfg["dont_reprompt_on_self_success"])
-        peer = None
-        if j is not None:
-            peer = strip_thinking(texts[j]) if cfg["remove_thinking"] else texts[j]
+        j = pick_peer(usable, group_size, i, cfg["success_threshold"], cfg["dont_reprompt_on_self_success"])
+        peer = None if j is None else demos[j]
         feedback = None
         if cfg["use_feedback"] and feedbacks[i] and not (cfg["feedback_only_without_solution"] and peer is not None):
             feedback = feedbacks[i]
@@ -555,7 +557,9 @@ def build_batch(tasks, model, tokenizer, cfg, generator, dev, *, autocast=contex
     t_gen, t0 = time.time() - t0, time.time()
     scored = rewards_of([tasks[i // G] for i in range(len(batch.texts))], batch.texts, cfg["math_checker"])
     rewards = torch.tensor([s for s, _ in scored], dtype=torch.float32)
-    batch.rewards, feedbacks = rewards.tolist(), [f for _, f in scored]
+    # the checkers' own floats, not their float32 roundings: 0.7 (7 of 10 tests) is 0.69999998 in float32, which
+    # success_threshold=0.7 would not count as a success here while the eval (sample_and_score) does
+    batch.rewards, feedbacks = [float(s) for s, _ in scored], [f for _, f in scored]
     t_reward = time.time() - t0
     advantages = group_advantages(rewards, G, cfg["norm_adv_std"])
     batch.advantages = advantages.tolist()
@@ -581,7 +585,7 @@ def build_batch(tasks, model, tokenizer, cfg, generator, dev, *, autocast=contex
         batch.distill_weight = distill_weights(masks, cfg["distill_agg"], 1 - cfg["grpo_mix"], global_sum)
         metrics.update(peer_frac=sum(t is not None for t in batch.teacher_prompt_ids) / len(lengths),
                        distill_frac=n_distill / max(sum(lengths), 1), distilled=n_distill, reprompt_truncated=cut)
-    successes = (rewards >= cfg["success_threshold"]).view(-1, G)
+    successes = torch.tensor([r >= cfg["success_threshold"] for r in batch.rewards]).view(-1, G)
     metrics.update(reward=rewards.mean().item(), acc=successes.float().mean().item(),
                    group_success=successes.any(-1).float().mean().item(),
                    zero_signal_groups=(advantages.view(-1, G) == 0).all(-1).float().mean().item(),
@@ -598,12 +602,24 @@ def template_teacher_prompts(tokenizer, tasks, inputs, group_size, cfg, limit):
     for msgs, x in zip((tasks[i // group_size]["messages"] for i in range(len(inputs))), inputs):
         key = x and json.dumps([msgs, x])
         if key not in templated:
-            build = lambda demo: teacher_messages(msgs, demo, x[1], cfg)  # noqa: E731 (called right away)
-            templated[key] = x and fit_prompt(tokenizer, build, x[0], limit, cfg["enable_thinking"])
+            templated[key] = x and _fit_teacher_prompt(tokenizer, msgs, *x, cfg, limit)
         ids, shortened = templated[key] or (None, False)
         out.append(ids)
         cut += shortened
     return out, cut
+
+
+def _fit_teacher_prompt(tokenizer, msgs, peer, feedback, cfg, limit):
+    """fit_prompt for one teacher prompt. Feedback (a code test's input and output can be long) too
+    long for `limit` even without any demonstration is shortened as a demonstration is (to its end),
+    the demonstration then left empty: fit_prompt's last resort, the prompt's last `limit` tokens,
+    would cut the system turn and the question instead."""
+    think = cfg["enable_thinking"]
+    if feedback is not None:
+        bare = lambda fb: teacher_messages(msgs, None if peer is None else "", fb, cfg)  # noqa: E731
+        if len(prompt_ids(tokenizer, bare(feedback), think)) > limit:
+            return fit_prompt(tokenizer, bare, feedback, limit, think)
+    return fit_prompt(tokenizer, lambda demo: teacher_messages(msgs, demo, feedback, cfg), peer, limit, think)
 
 
 def distill_weights(masks, agg, scale, global_sum=single_process_sum):

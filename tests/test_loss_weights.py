@@ -39,6 +39,19 @@ def test_the_grpo_term_normalises_by_the_steps_tokens_its_sequences_or_a_constan
     assert torch.allclose(dr[1], torch.full((4,), 1 / 16))
 
 
+def test_a_fractional_reward_at_the_success_threshold_is_a_success_everywhere(toy_data, monkeypatch):
+    """7 of 10 tests is 0.7, which float32 rounds to 0.69999998: the rollout kept the rounded rewards, so at
+    success_threshold=0.7 the response was no demonstration (nor a success in the diagnostics) while acc and
+    the eval's pass@n counted it as one."""
+    cfg, model, tokenizer = tiny_setup(toy_data, "sdpo", group_size=4, max_new_tokens=6, success_threshold=0.7)
+    monkeypatch.setattr(train, "rewards_of", lambda tasks, texts, checker="builtin": [
+        (0.7, None) if i % 4 == 0 else (0.0, "wrong") for i in range(len(texts))])
+    tasks = train.load_tasks("toy/add", "test", toy_data)[:2]
+    batch, metrics = train.build_batch(tasks, model, tokenizer, cfg, torch.Generator().manual_seed(0), torch.device("cpu"))
+    assert batch.rewards == [0.7, 0.0, 0.0, 0.0] * 2
+    assert metrics["acc"] == 0.25 and metrics["peer_frac"] == 0.75 and metrics["distilled"] > 0
+
+
 def test_a_random_density_mask_keeps_its_fraction_and_follows_its_seed():
     g = torch.Generator().manual_seed(0)
     masks = train.density_masks([1000] * 20, 0.25, g)

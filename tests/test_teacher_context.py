@@ -73,3 +73,36 @@ def test_a_teacher_prompt_over_max_reprompt_len_keeps_the_system_turn_and_the_qu
     empty = models.prompt_ids(tok, train.teacher_messages(messages, "", None, cfg))
     (ids,), cut = train.template_teacher_prompts(tok, [{"messages": messages}], [(peer, None)], 1, cfg, len(empty))
     assert cut == 1 and ids == empty and "Answer briefly." in tok.decode(ids) and "12+30" in tok.decode(ids)
+
+
+def test_long_feedback_is_shortened_to_its_end_and_keeps_the_system_turn_and_the_question(toy_data):
+    """Feedback (a code test's input and output) too long for the limit even without a demonstration was
+    cut with the prompt's left end (fit_prompt's last resort): the system turn and the question went.
+    The feedback is shortened instead, to its end, where the failure is said."""
+    import os
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(os.path.join(toy_data, "toy", "tokenizer"))
+    cfg = dict(defaults(), use_feedback=True)
+    messages = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "12+30"}]
+    feedback = "Test 3 failed (wrong answer).\nInput:\n" + "1 2 3 4 5 6 7 8 9\n" * 6 + "Expected:\n7\nGot:\n8"
+    full = models.prompt_ids(tok, train.teacher_messages(messages, None, feedback, cfg))
+    for peer in (None, "\\boxed{42}"):
+        (ids,), cut = train.template_teacher_prompts(tok, [{"messages": messages}], [(peer, feedback)], 1, cfg, len(full) - 60)
+        text = tok.decode(ids)
+        assert cut == 1 and len(ids) <= len(full) - 60
+        assert "Answer briefly." in text and "12+30" in text and "Got:\n8" in text, text
+        assert text.endswith(tok.decode(full[-12:]))  # the instruction and the generation prefix stay
+
+
+def test_a_success_whose_answer_is_all_thinking_is_not_a_demonstration():
+    """The checkers score an answer inside <think>; stripped, that success demonstrates nothing: the next
+    successful peer is the demonstration, not an empty one (and with none, no demonstration)."""
+    cfg = defaults()
+    texts = ["<think>so the answer is \\boxed{4}", "<think>2+2=4</think>The answer is \\boxed{4}.", "\\boxed{5}", "\\boxed{3}"]
+    scored = [train.reward("math", t, "4") for t in texts]
+    assert [s for s, _ in scored] == [1.0, 1.0, 0.0, 0.0]
+    inputs = train.teacher_inputs(texts, [s for s, _ in scored], [f for _, f in scored], 4, cfg)
+    demo = "The answer is \\boxed{4}."
+    assert [x and x[0] for x in inputs] == [demo, None, demo, demo]  # row 1's only other success is all thinking
+    alone = train.teacher_inputs(texts[:1] + texts[2:] + ["\\boxed{1}"], [1.0, 0.0, 0.0, 0.0], [None, "x", "x", "x"], 4, cfg)
+    assert all(x is None for x in alone)
