@@ -53,6 +53,7 @@ import models
 import train
 from configurator import check_seed, configure, require
 from data import checkers
+from data import tasks as task_files
 
 run_dir = ""  # a training run folder (train.py's out_dir): accuracy matrix, per-stage snapshots, base model
 model = ""  # checkpoint folder or HF id to score ('' = run_dir/ckpt)
@@ -533,7 +534,8 @@ def read_run(path):
     stages = (run["matrix"] or {}).get("stages", [])
     for entry in os.listdir(path):
         m = re.fullmatch(r"stage(\d+)_(.+)", entry)
-        if m and os.path.exists(os.path.join(path, entry, "config.json")):
+        if m and not entry.endswith(".tmp") and os.path.exists(os.path.join(path, entry, "config.json")):
+            # stageN_x.tmp: a snapshot save_snapshot was writing, or had not renamed yet, when the run stopped
             i = int(m.group(1))
             name = stages[i - 1] if i <= len(stages) and snapshot_name(stages[i - 1]) == m.group(2) else m.group(2)
             run["snapshots"].append((i, name, os.path.join(path, entry)))
@@ -564,7 +566,7 @@ def check_matrix(matrix, path):
     sets, stages, rows = matrix.get("eval_sets"), matrix.get("stages"), matrix.get("rows")
     base = matrix.get("base", {})
     number = lambda x: isinstance(x, (int, float)) and not isinstance(x, bool)  # noqa: E731
-    ok = (isinstance(sets, list) and isinstance(stages, list) and isinstance(rows, list) and len(rows) == len(stages)
+    ok = (isinstance(sets, list) and sets and isinstance(stages, list) and isinstance(rows, list) and len(rows) == len(stages)
           and all(isinstance(r, list) and len(r) == len(sets) and all(map(number, r)) for r in rows)
           and isinstance(base, dict) and all(map(number, base.values())))
     if not ok:
@@ -582,6 +584,15 @@ def check_out(out_path):
         raise train.UserError(f"out={out_path}: eval.py writes a JSON report (and its markdown beside it): give a path "
                               "ending in .json")
     stem = out_path[:-5]
+    folder = os.path.dirname(os.path.abspath(out_path))
+    existing = folder
+    while not os.path.exists(existing):  # the folder is made at the end: its nearest existing ancestor must allow it
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing) or not os.access(existing, os.W_OK | os.X_OK):
+        raise train.UserError(f"out={out_path}: cannot write into {folder} ({existing} is "
+                              f"{'not a folder' if not os.path.isdir(existing) else 'not writable'}): give another --out")
+    if os.path.lexists(out_path + ".tmp") and not os.path.isfile(out_path + ".tmp"):
+        raise train.UserError(f"out={out_path}: {out_path}.tmp (where the report is written first) is not a file: remove it")
     earlier_report = os.path.exists(out_path) and own_report(out_path)  # its plots are its own too
     for path in (out_path, stem + ".md", stem + "_matrix.png", stem + "_drift.png"):
         ours = (earlier_report and os.path.isfile(path)) if path.endswith(".png") else own_report(path)
@@ -887,7 +898,9 @@ def main(cfg):
     model_path = cfg["model"] or (os.path.join(cfg["run_dir"], "ckpt") if run else "")
     if not model_path:
         raise train.UserError("nothing to evaluate: give --run_dir=<train.py out_dir> or --model=<checkpoint or HF id>")
-    base_path = cfg["base_model"] or state.get("base_init") or ""
+    # the run's base_init is as train.py was given it: relative to train.py's working directory, which is
+    # usually the repository (data.tasks.resolve: from here, else under the repository, else as given)
+    base_path = cfg["base_model"] or task_files.resolve(state.get("base_init") or "")
     if base_path == "none":
         base_path = ""
     if cfg["max_new_tokens"] < 0:
@@ -928,6 +941,12 @@ def main(cfg):
             base_model, base_tok = load(base_path, run_cfg, dev)
         except train.UserError as e:
             raise train.UserError(f"base model: {e} (set --base_model=<folder or HF id>, or --base_model=none)") from None
+        try:  # parameter drift pairs the two models' tensors: names and shapes now, not after the sampling
+            for _ in paired_tensors(model.state_dict(), base_model.state_dict()):
+                pass
+        except train.UserError as e:
+            raise train.UserError(f"base model {base_path}: {e} (give the model training started from as "
+                                  "--base_model, or --base_model=none)") from None
     fit_sets(sets, [(model, tokenizer)] + ([(base_model, base_tok)] if base_path else []), cfg)
     drift_sets = {name: tasks[:cfg["drift_prompts"]] for name, tasks in sets.items()} if cfg["drift_prompts"] else {}
     # the base model first: it embeds every response for response drift

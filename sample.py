@@ -11,6 +11,7 @@ max_new_tokens in the model's context left out and counted.
 """
 import sys
 
+import checkpoint
 import runtime
 import models
 import train
@@ -66,7 +67,8 @@ def main(cfg):
     if not tasks:
         raise train.UserError(f"prompt_file {cfg['prompt_file']} holds no prompts (one per line, or task JSON lines)")
     dev = runtime.pick_device(cfg["device"])
-    model, tokenizer = models.load_model(cfg["init_from"], dev)
+    with checkpoint.reading(cfg["init_from"]):  # as eval.py: not while train.py swaps it in, else the complete copy a crash left
+        model, tokenizer = models.load_model(checkpoint.newest_complete(cfg["init_from"]) or cfg["init_from"], dev)
     model.eval()
     max_new_tokens = cfg["max_new_tokens"] or default_response_cap(model)
     # as train.py: prompts that leave no room for max_new_tokens in the context are left out, and counted

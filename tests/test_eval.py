@@ -488,3 +488,72 @@ def test_sample_py_on_a_data_file_prints_each_reward_and_their_mean(finished_run
     assert sum(line.startswith("--> ") for line in lines) == len(shown) == 12
     mean = re.fullmatch(r"mean reward ([0-9.]+) over 12 responses to 3 prompts", lines[-1])
     assert mean and float(mean.group(1)) == pytest.approx(sum(shown) / 12, abs=5e-4), lines[-1]
+
+
+def test_eval_py_refuses_before_sampling_a_base_of_another_architecture_or_an_out_it_cannot_write(
+        finished_run, toy_data, tmp_path, monkeypatch):
+    """Both were refused only at the end, after every set had been sampled (hours at scale): a base whose
+    parameters differ from the model's (parameter drift pairs them), an --out under a file."""
+    from conftest import tiny_cfg
+    other = tmp_path / "other"
+    train.main(tiny_cfg(toy_data, other, n_layer=2))
+    sampled = []
+    monkeypatch.setattr(train, "sample_and_score", lambda *a, **k: sampled.append(1))
+    cfg = dict(configure(dict(vars(ev)), [], ev.__file__), run_dir=str(finished_run), n=2, k="1,2", max_prompts=2,
+               drift_prompts=0, stage_drift=False, spectral_k=-1, device="cpu")
+    with pytest.raises(train.UserError, match=r"base model .*different parameters.*--base_model=none"):
+        ev.main(dict(cfg, base_model=str(other / "ckpt"), out=str(tmp_path / "a.json")))
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(train.UserError, match="afile is not a folder"):
+        ev.main(dict(cfg, base_model="none", out=str(tmp_path / "afile" / "eval.json")))
+    (tmp_path / "b.json.tmp").mkdir()
+    with pytest.raises(train.UserError, match="b.json.tmp .* is not a file"):
+        ev.main(dict(cfg, base_model="none", out=str(tmp_path / "b.json")))
+    assert not sampled and not (tmp_path / "a.json").exists()
+
+
+def test_eval_py_skips_a_half_written_snapshot_and_finds_a_relative_base_from_another_folder(
+        finished_run, tmp_path, monkeypatch):
+    """save_snapshot writes stageN_x.tmp and renames it: a run stopped between leaves one, which is no
+    stage. A run's base_init is as train.py was given it (relative to the repository, usually):
+    eval.py run from elsewhere still finds it."""
+    from conftest import ROOT, copy_of
+    run = copy_of(finished_run, tmp_path)
+    shutil.copytree(run / "ckpt", run / "stage1_toy_add.tmp")
+    assert all(not path.endswith(".tmp") for _, _, path in ev.read_run(str(run))["snapshots"])
+    real_read, real_load, loaded = ev.read_run, ev.load, []
+
+    def relative_base(path):
+        found = real_read(path)
+        found["state"]["base_init"] = os.path.relpath(str(finished_run / "ckpt"), ROOT)
+        return found
+    monkeypatch.setattr(ev, "read_run", relative_base)
+
+    def load(path, run_cfg, dev):  # the model, then the base: stop there
+        loaded.append(path)
+        if len(loaded) == 2:
+            raise train.UserError("enough")
+        return real_load(path, run_cfg, dev)
+    monkeypatch.setattr(ev, "load", load)
+    monkeypatch.chdir(tmp_path)
+    cfg = dict(configure(dict(vars(ev)), [], ev.__file__), run_dir=str(run), n=2, k="1,2", max_prompts=2,
+               drift_prompts=0, stage_drift=False, spectral_k=-1, device="cpu", data_dir=os.path.join(ROOT, "data"))
+    with pytest.raises(train.UserError, match="enough"):
+        ev.main(cfg)
+    assert len(loaded) == 2 and os.path.samefile(loaded[1], finished_run / "ckpt")
+
+
+def test_an_accuracy_matrix_without_eval_sets_is_refused_in_one_line():
+    with pytest.raises(train.UserError, match="well-formed accuracy matrix"):
+        ev.check_matrix({"eval_sets": [], "stages": ["toy/add"], "rows": [[]], "base": {}}, "m.json")
+
+
+def test_sample_py_reads_the_complete_copy_a_crash_left(finished_run, tmp_path, capsys):
+    """A crash during a checkpoint swap can leave only ckpt.old: sample.py reads it, as eval.py does."""
+    import sample as sample_py
+    run = tmp_path / "run"
+    shutil.copytree(finished_run, run)
+    os.rename(run / "ckpt", run / "ckpt.old")
+    sample_py.main(configure(dict(vars(sample_py)), [f"--init_from={run / 'ckpt'}", "--temperature=0", "--num_samples=1",
+                                                     "--max_new_tokens=4", "--device=cpu"], sample_py.__file__))
+    assert any(line.startswith("-->") for line in capsys.readouterr().out.splitlines())
