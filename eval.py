@@ -591,8 +591,9 @@ def check_out(out_path):
     if not os.path.isdir(existing) or not os.access(existing, os.W_OK | os.X_OK):
         raise train.UserError(f"out={out_path}: cannot write into {folder} ({existing} is "
                               f"{'not a folder' if not os.path.isdir(existing) else 'not writable'}): give another --out")
-    if os.path.lexists(out_path + ".tmp") and not os.path.isfile(out_path + ".tmp"):
-        raise train.UserError(f"out={out_path}: {out_path}.tmp (where the report is written first) is not a file: remove it")
+    for tmp in (out_path + ".tmp", stem + ".md.tmp"):
+        if os.path.lexists(tmp) and not os.path.isfile(tmp):
+            raise train.UserError(f"out={out_path}: {tmp} (where the report is written first) is not a file: remove it")
     earlier_report = os.path.exists(out_path) and own_report(out_path)  # its plots are its own too
     for path in (out_path, stem + ".md", stem + "_matrix.png", stem + "_drift.png"):
         ours = (earlier_report and os.path.isfile(path)) if path.endswith(".png") else own_report(path)
@@ -885,6 +886,8 @@ def main(cfg):
         raise train.UserError(f"drift_prompts={cfg['drift_prompts']}: MMD needs >= 2 prompts (0 = skip response drift)")
     if cfg["spectral_k"] < -1:
         raise train.UserError(f"spectral_k={cfg['spectral_k']}: give k > 0, 0 (auto) or -1 (skip spectral drift)")
+    if cfg["max_prompts"] < 0:
+        raise train.UserError(f"max_prompts={cfg['max_prompts']}: give the test prompts per set, or 0 for all")
     if cfg["temperature"] <= 0 or not 0 < cfg["top_p"] <= 1:
         raise train.UserError("temperature must be > 0 and top_p in (0, 1]")
     if cfg["dtype"] not in ("auto", "float32", "bfloat16", "float16"):
@@ -1004,12 +1007,11 @@ def main(cfg):
     os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
     if cfg["plots"]:
         report["plots"] = write_plots(report, stem)
-    tmp = out_path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(report, f, indent=1, default=float)
-    os.replace(tmp, out_path)
-    with open(stem + ".md", "w") as f:
-        f.write(md + "\n")
+    for path, write in ((out_path, lambda f: json.dump(report, f, indent=1, default=float)),
+                        (stem + ".md", lambda f: f.write(md + "\n"))):
+        with open(path + ".tmp", "w") as f:  # each file whole or the earlier one: never half-written
+            write(f)
+        os.replace(path + ".tmp", path)
     print(f"wrote {out_path} and {stem}.md" + "".join(f" and {p}" for p in report.get("plots", [])))
 
 

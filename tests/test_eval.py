@@ -372,6 +372,8 @@ def test_user_errors(tmp_path):
         ev.main(dict(cfg, model="x", drift_prompts=1))
     with pytest.raises(train.UserError, match="spectral_k=-2"):
         ev.main(dict(cfg, model="x", spectral_k=-2))
+    with pytest.raises(train.UserError, match="max_prompts=-1: give the test prompts per set, or 0 for all"):
+        ev.main(dict(cfg, model="x", max_prompts=-1))
     with pytest.raises(train.UserError, match="max_new_tokens=-1 must be >= 1"):  # (decoding 0 steps raised later)
         ev.main(dict(cfg, model="x", max_new_tokens=-1))
     with pytest.raises(train.UserError, match=r"success_threshold=1.5 is not in \[0, 1\]"):
