@@ -591,7 +591,7 @@ def check_out(out_path):
     if not os.path.isdir(existing) or not os.access(existing, os.W_OK | os.X_OK):
         raise train.UserError(f"out={out_path}: cannot write into {folder} ({existing} is "
                               f"{'not a folder' if not os.path.isdir(existing) else 'not writable'}): give another --out")
-    for tmp in (out_path + ".tmp", stem + ".md.tmp"):
+    for tmp in (out_path + ".tmp", stem + ".md.tmp", stem + "_matrix.png.tmp", stem + "_drift.png.tmp"):
         if os.path.lexists(tmp) and not os.path.isfile(tmp):
             raise train.UserError(f"out={out_path}: {tmp} (where the report is written first) is not a file: remove it")
     earlier_report = os.path.exists(out_path) and own_report(out_path)  # its plots are its own too
@@ -826,6 +826,14 @@ def pyplot():
     return plt
 
 
+def save_png(plt, fig, path):
+    """Write fig to path whole or not at all (a temp file, then a rename, as the JSON and markdown)."""
+    fig.savefig(path + ".tmp", dpi=120, format="png")
+    plt.close(fig)
+    os.replace(path + ".tmp", path)
+    return path
+
+
 def write_plots(report, stem):
     """PNG heatmap of the accuracy matrix and drift curves over stages; returns the paths written."""
     plt = pyplot()
@@ -845,9 +853,7 @@ def write_plots(report, stem):
         ax.set_ylabel("after stage")
         fig.colorbar(im, ax=ax, label="accuracy")
         fig.tight_layout()
-        paths.append(stem + "_matrix.png")
-        fig.savefig(paths[-1], dpi=120)
-        plt.close(fig)
+        paths.append(save_png(plt, fig, stem + "_matrix.png"))
     curve = report.get("stage_drift")
     if curve:
         x = [0] + [st["stage"] for st in curve]
@@ -869,9 +875,7 @@ def write_plots(report, stem):
             ax.set_xticks(x)
         axes[1].legend(fontsize=8)
         fig.tight_layout()
-        paths.append(stem + "_drift.png")
-        fig.savefig(paths[-1], dpi=120)
-        plt.close(fig)
+        paths.append(save_png(plt, fig, stem + "_drift.png"))
     return paths
 
 

@@ -149,8 +149,9 @@ def console_line(stage, record, total_iters):
     any run: the share of responses cut off at max_new_tokens, once there are some)."""
     keys = ("loss", "reward", "acc", "resp_len", "distill_frac", "div")
     shown = [f"{k} {record[k]:.4g}" for k in keys if k in record]
-    if record.get("truncated"):
-        shown.append(f"truncated {record['truncated']:.2g}")
+    if record.get("truncated"):  # 255 of 256 cut off must not read as 1, the all-cut-off warning's value
+        cut = record["truncated"]
+        shown.append("truncated " + (f"{cut:.3g}" if cut == 1 or f"{cut:.3g}" != "1" else ">0.999"))
     shown = " | ".join(shown)
     return (f"{stage} iter {record['iter']}/{total_iters} | {shown} | tok/s {record['tokens'] / record['iter_s']:.0f}"
             + (f" | gen {record['gen_s']:.2f}s" if "gen_s" in record else "") + f" train {record['train_s']:.2f}s")

@@ -77,7 +77,7 @@ def test_two_stage_run_then_eval(toy_data, tmp_path):
     assert os.path.exists(os.path.join(run, "accuracy_matrix.json"))
     assert os.path.isdir(os.path.join(run, "stage1_toy_add")) and os.path.isdir(os.path.join(run, "stage2_toy_sort"))
     proc = subprocess.run([sys.executable, "eval.py", f"--run_dir={run}", "--n=2", "--k=1,2", "--max_prompts=4",
-                           "--drift_prompts=4", "--eval_sets=toy/add,toy/sort"],
+                           "--drift_prompts=4", "--eval_sets=toy/add,toy/sort", "--plots=True"],
                           cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     with open(os.path.join(run, "eval.json")) as f:
@@ -117,6 +117,12 @@ def test_two_stage_run_then_eval(toy_data, tmp_path):
     # two base scores (eval.py's sample and train.py's iteration-0 eval): each table says which it shows
     assert "Both scored by this eval" in md and "the base row is its iteration-0 eval" in md
     assert "## Accuracy" in proc.stdout  # the table is printed too
+    # the plots of a real report: the accuracy matrix and the drift curves over both stages, no temp file left
+    assert r["plots"] == [os.path.join(run, "eval_matrix.png"), os.path.join(run, "eval_drift.png")]
+    for path in r["plots"]:
+        with open(path, "rb") as f:
+            assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    assert not [p for p in os.listdir(run) if p.endswith(".tmp")]
     # the miniature's reader takes its drift figures from this eval.json (it once looked for spectral drift
     # under the wrong key, so the row was always empty)
     from tests.experiments import miniature
@@ -127,13 +133,9 @@ def test_two_stage_run_then_eval(toy_data, tmp_path):
     assert m["response_mmd2"] is not None and m["foreign_format"] is not None
 
 
-def test_plots_need_matplotlib(tmp_path):
+def test_plots_without_matplotlib_say_how_to_get_it(tmp_path, monkeypatch):
     report = {"continual": {**MATRIX, **ev.continual_metrics(MATRIX)}, "stage_drift": [], "drift": {}}
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        with pytest.raises(train.UserError, match="pip install matplotlib"):
-            ev.write_plots(report, str(tmp_path / "eval"))
-        return
-    paths = ev.write_plots(report, str(tmp_path / "eval"))
-    assert paths and all(os.path.getsize(p) > 0 for p in paths)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now raises ImportError
+    with pytest.raises(train.UserError, match="pip install matplotlib"):
+        ev.write_plots(report, str(tmp_path / "eval"))
+    assert not os.listdir(tmp_path)

@@ -511,6 +511,9 @@ def test_eval_py_refuses_before_sampling_a_base_of_another_architecture_or_an_ou
     (tmp_path / "b.json.tmp").mkdir()
     with pytest.raises(train.UserError, match="b.json.tmp .* is not a file"):
         ev.main(dict(cfg, base_model="none", out=str(tmp_path / "b.json")))
+    (tmp_path / "c_drift.png.tmp").mkdir()  # where a plot is written first
+    with pytest.raises(train.UserError, match="c_drift.png.tmp .* is not a file"):
+        ev.main(dict(cfg, base_model="none", out=str(tmp_path / "c.json")))
     assert not sampled and not (tmp_path / "a.json").exists()
 
 

@@ -198,5 +198,7 @@ def test_the_console_line_shows_progress_the_distilled_share_and_cut_off_respons
     line = metrics.console_line("toy/sort", record, 60)
     assert line.startswith("toy/sort iter 4/60 | ") and "distill_frac 0.31" in line and "truncated 0.59" in line
     assert "truncated" not in metrics.console_line("toy/sort", dict(record, truncated=0.0), 60)
+    for cut, shown in ((255 / 256, "0.996"), (4095 / 4096, ">0.999"), (1.0, "1 |")):  # 1 only when every one was
+        assert f"truncated {shown}" in metrics.console_line("toy/sort", dict(record, truncated=cut), 60)
     sft = {k: record[k] for k in ("iter", "loss", "tokens", "iter_s", "train_s")}  # SFT logs no rollout signals
     assert metrics.console_line("toy/add", sft, 60).startswith("toy/add iter 4/60 | loss 0.5 | tok/s 500")
