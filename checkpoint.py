@@ -437,7 +437,7 @@ class TrainState:
     stage_iter: int = 0  # steps into the current stage
     accuracy_matrix: dict = None  # eval_sets, stages, rows (one per finished stage), base (the initial model's row)
     guard: metrics.Guard = None  # the collapse guard's memory, from the first eval on
-    base_fingerprint: list = None  # models.base_fingerprint of base_init when the run rereads it (check_base)
+    base_fingerprint: list = None  # models.base_fingerprint of base_init (check_base; eval.py's base); LoRA: None
 
     def to_json(self, cfg):
         return {"iter": self.iter, "stage": self.stage, "stage_iter": self.stage_iter,

@@ -57,7 +57,7 @@ from data import tasks as task_files
 
 run_dir = ""  # a training run folder (train.py's out_dir): accuracy matrix, per-stage snapshots, base model
 model = ""  # checkpoint folder or HF id to score ('' = run_dir/ckpt)
-base_model = ""  # the reference model ('' = the run's base_init, the model training started from; 'none' = no base)
+base_model = ""  # the reference model ('' = the run's base_init, refused if it changed since the run began; 'none' = no base)
 eval_sets = ""  # comma list of test sets and/or presets from data/common.py (math, science, tool, general, paper); '' = the run's
 n = 16  # samples per prompt for mean@n and pass@k (the paper: 16)
 k = "1,4,16"  # comma list of k for pass@k (values above n are dropped)
@@ -530,7 +530,9 @@ def read_run(path):
         check_matrix(run["matrix"], os.path.join(path, "accuracy_matrix.json"))
     ckpt = os.path.join(path, "ckpt")
     with checkpoint.reading(ckpt):
-        run["state"] = read_json(os.path.join(checkpoint.newest_complete(ckpt) or ckpt, "trainer", "state.json"))
+        complete = checkpoint.newest_complete(ckpt) or ckpt
+        run["state"] = read_json(os.path.join(complete, "trainer", "state.json"))
+        run["base_fingerprint"] = saved_base_fingerprint(run["state"], complete)
     stages = (run["matrix"] or {}).get("stages", [])
     for entry in os.listdir(path):
         m = re.fullmatch(r"stage(\d+)_(.+)", entry)
@@ -543,6 +545,22 @@ def read_run(path):
     if run["matrix"] is None and run["state"] is None:
         raise train.UserError(f"{path} has neither accuracy_matrix.json nor ckpt/trainer/state.json: is it a train.py out_dir?")
     return run
+
+
+def saved_base_fingerprint(state, ckpt):
+    """models.base_fingerprint of the run's base_init as training began (a LoRA run's: in its adapter's
+    metadata), or None (a run from before it was saved, or a damaged one: then not compared)."""
+    saved = (state or {}).get("base_fingerprint")
+    adapter = os.path.join(ckpt, "adapter", "adapter_model.safetensors")
+    if saved is None and os.path.isfile(adapter):
+        from safetensors import safe_open
+        try:
+            with safe_open(adapter, "pt") as f:
+                saved = json.loads((f.metadata() or {}).get("nanosdpo_base", "null"))
+        except (OSError, ValueError, RuntimeError):  # a damaged adapter: loading the model says so
+            return None
+    ok = isinstance(saved, list) and len(saved) == 2 and all(isinstance(x, float) for x in saved)
+    return saved if ok else None
 
 
 def read_json(path):
@@ -954,6 +972,11 @@ def main(cfg):
         except train.UserError as e:
             raise train.UserError(f"base model {base_path}: {e} (give the model training started from as "
                                   "--base_model, or --base_model=none)") from None
+        saved = (run or {}).get("base_fingerprint")
+        if not cfg["base_model"] and saved and not checkpoint.same_fingerprint(saved, base_model):
+            raise train.UserError(f"base model {base_path}, the run's base_init, holds other weights than when the run "
+                                  "began (it changed since): restore it, give the model training started from as "
+                                  "--base_model, or --base_model=none")
     fit_sets(sets, [(model, tokenizer)] + ([(base_model, base_tok)] if base_path else []), cfg)
     drift_sets = {name: tasks[:cfg["drift_prompts"]] for name, tasks in sets.items()} if cfg["drift_prompts"] else {}
     # the base model first: it embeds every response for response drift

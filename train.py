@@ -1022,7 +1022,7 @@ def setup(cfg, ddp, stack):
         model, tokenizer = load_student(cfg["init_from"], ddp.load_device, cfg)  # fsdp: on the CPU, until sharded
         eval_demos = fit_prompts(train_tasks, eval_tasks, model, tokenizer, cfg, log)
         teacher_init = load_teacher_init(cfg, model, ddp.load_device)
-        if needs_initial_model(cfg) and not cfg["lora_rank"]:  # a resume rereads it: then checked against this
+        if not cfg["lora_rank"]:  # a resume rereading it and eval.py's base are checked against this (LoRA: the adapter's)
             base_print = base_fingerprint(model)
     if ddp.master:  # from here on, this run owns out_dir (a fresh run's inputs are all checked by now)
         for note in stack.enter_context(checkpoint.take_over(out_dir, resume, cfg["overwrite"])):

@@ -548,6 +548,37 @@ def test_eval_py_skips_a_half_written_snapshot_and_finds_a_relative_base_from_an
     assert len(loaded) == 2 and os.path.samefile(loaded[1], finished_run / "ckpt")
 
 
+def test_eval_py_refuses_a_run_s_base_whose_weights_changed_since_the_run_began(finished_run, toy_data, tmp_path,
+                                                                                monkeypatch):
+    """The base row and every drift are measured against base_init as it is now: a folder trained further or
+    replaced since (a hub revision moved) would be compared silently. The run saved its fingerprint."""
+    from safetensors.torch import load_file, save_file
+    from conftest import tiny_cfg
+    base = tmp_path / "base"
+    shutil.copytree(finished_run / "ckpt", base)
+    run = tmp_path / "run"
+    train.main(tiny_cfg(toy_data, run, init_from=str(base), max_iters=1))
+    class Sampled(Exception):
+        pass
+
+    def sample(*args, **kwargs):
+        raise Sampled
+    monkeypatch.setattr(train, "sample_and_score", sample)
+    cfg = dict(configure(dict(vars(ev)), [], ev.__file__), run_dir=str(run), n=2, k="1,2", max_prompts=2,
+               drift_prompts=0, stage_drift=False, spectral_k=-1, device="cpu", out=str(tmp_path / "e.json"))
+    with pytest.raises(Sampled):  # unchanged: accepted (a scratch-built base too: the two-stage test's)
+        ev.main(cfg)
+    weights = load_file(base / "model.safetensors")
+    name = next(iter(weights))
+    weights[name] = weights[name] + 0.5
+    save_file(weights, base / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(train.UserError, match="the run's base_init, holds other weights than when the run began"):
+        ev.main(cfg)
+    assert not (tmp_path / "e.json").exists()
+    with pytest.raises(Sampled):  # named explicitly, it is the user's choice
+        ev.main(dict(cfg, base_model=str(base)))
+
+
 def test_an_accuracy_matrix_without_eval_sets_is_refused_in_one_line():
     with pytest.raises(train.UserError, match="well-formed accuracy matrix"):
         ev.check_matrix({"eval_sets": [], "stages": ["toy/add"], "rows": [[]], "base": {}}, "m.json")

@@ -146,6 +146,11 @@ def test_the_merged_checkpoint_loads_without_peft_and_gives_the_lora_models_logi
         # the frozen teacher is the base: the checkpoint keeps none of it
         assert load_file(str(ckpt / "trainer" / "teacher.safetensors")) == {}
         assert not (ckpt / "trainer" / "model_fp32.safetensors").exists()
+        # eval.py compares the run's base with the one the adapter was trained on: the adapter's metadata holds
+        # the base's fingerprint, which the plain base model (loaded without peft) reproduces
+        import eval as ev
+        saved = ev.read_run(str(tmp_path / "run"))["base_fingerprint"]
+        assert saved and checkpoint.same_fingerprint(saved, AutoModelForCausalLM.from_pretrained(base_dir))
 
 
 def test_a_lora_resume_continues_exactly(toy_data, base_dir, tmp_path):
