@@ -15,13 +15,15 @@ it is in metrics.py.)
                             so AutoModelForCausalLM, vLLM and lm-eval load it as it is) with
         trainer/            what resuming needs besides: state.json (iteration, stage, config, data
                             order), optimizer.safetensors (+ every rank's sampling RNG),
-                            teacher.safetensors, model_fp32.safetensors (when the export is bf16);
+                            teacher.safetensors (an EMA teacher's or another own copy's; not a frozen
+                            teacher that is the initial model, reread from base_init on resume),
+                            model_fp32.safetensors (when the export is bf16);
                             with parallel=fsdp the same files, gathered to rank 0 first (gather_full)
         adapter/            LoRA runs (lora_rank > 0): peft's adapter folder (adapter_config.json,
                             adapter_model.safetensors in fp32; PeftModel.from_pretrained loads it on
                             the base). The model above is then the merged one (W + B·A, no peft needed
                             to serve it); a resume reloads the base from the first run's init_from and
-                            this adapter, and teacher.safetensors holds only the teacher's adapter copy
+                            this adapter, and teacher.safetensors holds only an EMA teacher's adapter copy
       ckpt_good/            the last checkpoint whose eval passed the collapse guard (hard links); until
                             one passes, the initial model (a fresh run saves it before its first step)
 
@@ -54,7 +56,11 @@ from configurator import UserError, parse_stages
 from models import adapter_tensors, base_fingerprint, lora_layers, merged_state_dict
 
 RUN_OUTPUTS = r"log\.jsonl|samples\.jsonl|accuracy_matrix\.json|ckpt(_good)?(\.tmp|\.old)?|stage\d+_.+|eval(_\w+)?\.(json|md|png)"
-# config keys a resumed run may change: where and how it runs, not what it computes
+# config keys a resumed run may change: where and how it runs, and when it evaluates and saves. Those
+# in NOT_BIT_FOR_BIT change its numbers too (a rollout's random draws are taken in gen_batch_size chunks;
+# the others change the floating-point order): allowed (a lower gen_batch_size after an out-of-memory),
+# and said in a note (train.resume_notes)
+NOT_BIT_FOR_BIT = ("dtype", "gen_batch_size", "micro_batch_size", "static_rollout", "fused_loss", "loss_chunk")
 RESUMABLE = {"out_dir", "init_from", "data_dir", "tokenizer_path", "device", "dtype", "overwrite", "log_jsonl",
              "wandb_log", "wandb_project", "wandb_run_name", "eval_interval", "save_interval", "save_dtype",
              "micro_batch_size", "gen_batch_size", "static_rollout", "grad_checkpointing", "fused_loss", "loss_chunk",

@@ -71,8 +71,16 @@ class Teacher:
     Adding a kind: a row here and in KINDS, and its lines in the methods below."""
     kind: str
     rate: float
-    own: torch.nn.Module = None  # a kind with own_copy (frozen, ema): the teacher's weights (saved in checkpoints)
+    own: torch.nn.Module = None  # a kind with own_copy (frozen, ema): the teacher's weights
     initial: torch.nn.Module = None  # trust_region: the initial model, the mixture's (1 − μ) share
+    own_is_initial: bool = False  # the frozen teacher is the initial model itself (shares_initial_model)
+
+    @property
+    def checkpointed(self):
+        """The weights a checkpoint keeps for the teacher: its own copy, unless that is the initial model,
+        which a resume rereads from base_init (checked against its fingerprint): a second copy of the
+        base in every checkpoint (16 GB at 4B in fp32) would hold nothing new."""
+        return None if self.own_is_initial else self.own
 
     @staticmethod
     def needs_initial(kind):
@@ -95,7 +103,7 @@ class Teacher:
             if teacher_init is not None:
                 # θ_T ← (1 − a)·θ_T + a·θ_init: the EMA update's formula, applied once (shard by shard when sharded)
                 ema_update(own, shard_like(teacher_init, own) if is_sharded(own) else teacher_init, cfg["teacher_init_alpha"])
-        return cls(cfg["teacher"], cfg["teacher_rate"], own=own,
+        return cls(cfg["teacher"], cfg["teacher_rate"], own=own, own_is_initial=own is not None and own is initial_model,
                    initial=initial_model if cfg["teacher"] == "trust_region" else None)
 
     def logits(self, student, teacher_prompts, responses, dev):

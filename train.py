@@ -245,6 +245,13 @@ def check_config(cfg):
     if cfg["teacher_init"] and not (cfg["algo"] == "sdpo" and TEACHER_KINDS[cfg["teacher"]].own_copy):
         raise UserError(f"teacher_init sets the starting weights of a teacher with its own copy: it needs algo=sdpo with "
                         f"teacher={' or '.join(own)} (teacher={cfg['teacher']} has no weights of its own)")
+    if cfg["teacher_stage_reset"] != "keep" and not (cfg["algo"] == "sdpo" and TEACHER_KINDS[cfg["teacher"]].own_copy):
+        raise UserError(f"teacher_stage_reset={cfg['teacher_stage_reset']} reloads a teacher's own copy at a stage boundary: "
+                        f"it needs algo=sdpo with teacher={' or '.join(own)} (algo={cfg['algo']}, teacher={cfg['teacher']} "
+                        "has none): set teacher_stage_reset=keep")
+    if cfg["teacher_stage_reset"] == "initial" and cfg["teacher"] == "frozen" and not cfg["teacher_init"]:
+        raise UserError("teacher_stage_reset=initial: the frozen teacher is the initial model already: set "
+                        "teacher_stage_reset=keep (or 'student', to teach each stage from the student it starts from)")
     if cfg["parallel"] == "fsdp" and cfg["algo"] == "sdpo" and TEACHER_KINDS[cfg["teacher"]].reads_student:
         raise UserError(f"parallel=fsdp shards a teacher's own copy; teacher={cfg['teacher']} reads the sharded student "
                         f"in forwards that ranks run unevenly: use teacher={' or '.join(own)}, or parallel=ddp")
@@ -918,15 +925,19 @@ def loss_backward(model, batch, cfg, dev, *, teacher=None, initial_model=None, l
 
 
 # ----------------------------------------------------------------------------- step
-def set_lr(optimizer, it, *, learning_rate, warmup_iters, total_iters, decay_lr, min_lr):
+def lr_at(it, *, learning_rate, warmup_iters, total_iters, decay_lr, min_lr):
     """Linear warmup, then constant, or a cosine from learning_rate to min_lr at the last iteration."""
     if it < warmup_iters:
-        lr = learning_rate * (it + 1) / warmup_iters
-    elif decay_lr:
+        return learning_rate * (it + 1) / warmup_iters
+    if decay_lr:
         progress = (it + 1 - warmup_iters) / max(1, total_iters - warmup_iters)
-        lr = min_lr + 0.5 * (learning_rate - min_lr) * (1 + math.cos(math.pi * min(1.0, progress)))
-    else:
-        lr = learning_rate
+        return min_lr + 0.5 * (learning_rate - min_lr) * (1 + math.cos(math.pi * min(1.0, progress)))
+    return learning_rate
+
+
+def set_lr(optimizer, it, **schedule):
+    """The optimizer's learning rate at iteration it (lr_at), returned."""
+    lr = lr_at(it, **schedule)
     for group in optimizer.param_groups:
         group["lr"] = lr
     return lr
@@ -1031,8 +1042,10 @@ def setup(cfg, ddp, stack):
     if resume:
         saved = checkpoint.read_state(ckpt_dir)  # a damaged or foreign state.json is one line, before any change
         checkpoint.check_same_run(saved, ddp.world, data)
-        checkpoint.check_resume(saved["config"], cfg, parse_stages(saved["config"]["stages"], saved["config"]["dataset"],
-                                saved["config"]["max_iters"]), stages, saved)  # may reopen the last stage in `saved`
+        saved_stages = parse_stages(saved["config"]["stages"], saved["config"]["dataset"], saved["config"]["max_iters"])
+        checkpoint.check_resume(saved["config"], cfg, saved_stages, stages, saved)  # may reopen the last stage in `saved`
+        for note in resume_notes(saved["config"], cfg, saved_stages, stages, saved["iter"]):
+            log.say(note)
         if ddp.master:  # a crash between saving ckpt/ and linking it as ckpt_good/
             checkpoint.redo_keep_as_good(ckpt_dir, ckpt_dir + "_good", saved)
         eval_names = checkpoint.kept_eval_sets(saved["accuracy_matrix"], eval_names, log.say)
@@ -1068,7 +1081,7 @@ def setup(cfg, ddp, stack):
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg["learning_rate"],  # LoRA: adapters
                                   betas=(cfg["beta1"], cfg["beta2"]), weight_decay=cfg["weight_decay"])
     if resume:
-        rng = checkpoint.load_trainer(ckpt_dir, saved, model, optimizer, teacher and teacher.own)
+        rng = checkpoint.load_trainer(ckpt_dir, saved, model, optimizer, teacher and teacher.checkpointed)
         if not state.restore(saved, rng[f"sampling.{ddp.rank}"]):  # moved between a CPU and a GPU
             state.generator.manual_seed(stream_seed(cfg["seed"], ddp.rank, 3 + state.iter))
             log.say(f"note: the checkpoint's sampling RNG is another device type's than {dev.type}'s: reseeded, so "
@@ -1084,6 +1097,25 @@ def setup(cfg, ddp, stack):
     return Run(model=model, tokenizer=tokenizer, optimizer=optimizer, teacher=teacher, initial_model=initial_model,
                state=state, stages=stages, eval_names=eval_names, train_tasks=train_tasks, eval_tasks=eval_tasks,
                eval_demos=eval_demos, log=log, ckpt_dir=ckpt_dir)
+
+
+def resume_notes(saved_cfg, cfg, saved_stages, stages, it):
+    """What a resume allowed to change (checkpoint.RESUMABLE) does to the run: a key that changes its
+    numbers (checkpoint.NOT_BIT_FOR_BIT), a cosine stretched over a longer run."""
+    notes = []
+    changed = [f"{k} {saved_cfg[k]!r} -> {cfg[k]!r}" for k in checkpoint.NOT_BIT_FOR_BIT
+               if k in saved_cfg and saved_cfg[k] != cfg[k]]
+    if changed:
+        notes.append(f"note: {', '.join(changed)} since the checkpoint: the run goes on, but its numbers from here on "
+                     "may differ from an uninterrupted run's (other random draws in the rollouts, or another floating-point order)")
+    old, new = (sum(n for _, n in s) for s in (saved_stages, stages))
+    if cfg["decay_lr"] and new != old and it >= cfg["warmup_iters"]:
+        schedule = dict(learning_rate=cfg["learning_rate"], warmup_iters=cfg["warmup_iters"], decay_lr=True,
+                        min_lr=cfg["min_lr"])
+        was, now = lr_at(it - 1, total_iters=old, **schedule), lr_at(it, total_iters=new, **schedule)
+        notes.append(f"note: decay_lr: the cosine now spans {new} iterations, not {old}: the learning rate goes from "
+                     f"{was:.3g} at iteration {it} to {now:.3g} at iteration {it + 1} (a run planned at {new} decays smoothly)")
+    return notes
 
 
 def needs_initial_model(cfg):
@@ -1166,12 +1198,12 @@ def save_checkpoint(run, cfg, ddp, passed=None):
         if len(set(sums)) > 1:
             raise UserError(f"ranks diverged: parameter sums {sums}")
     rng_states = ddp.gather(state.generator.get_state())
-    full = checkpoint.gather_full(model, run.optimizer, run.teacher and run.teacher.own)  # fsdp: on rank 0 (ddp: None)
+    full = checkpoint.gather_full(model, run.optimizer, run.teacher and run.teacher.checkpointed)  # fsdp: on rank 0
     if passed is not None:
         state.guard.good = {"iter": state.iter, "acc": passed}
     if ddp.master:
         checkpoint.save(run.ckpt_dir, model=model, tokenizer=run.tokenizer, optimizer=run.optimizer,
-                        teacher_model=run.teacher and run.teacher.own, save_dtype=cfg["save_dtype"],
+                        teacher_model=run.teacher and run.teacher.checkpointed, save_dtype=cfg["save_dtype"],
                         state=state.to_json(cfg), full=full,
                         rng_tensors={f"sampling.{r}": g for r, g in enumerate(rng_states)})
         if passed is not None:
@@ -1194,14 +1226,27 @@ def end_stage(run, cfg, ddp, stage, name):
     passed = row if metrics.check_eval(state.guard, row, lengths, cfg, metrics.trained_sets(run.stages, name)) else None
     state.accuracy_matrix["stages"].append(name)
     state.accuracy_matrix["rows"].append([row[s] for s in run.eval_names])
-    weights = full_state_dict(run.model) if len(run.stages) > 1 and cfg["parallel"] == "fsdp" else None  # the snapshot's
     if ddp.master:
         checkpoint.write_json(os.path.join(cfg["out_dir"], "accuracy_matrix.json"), state.accuracy_matrix)
-        if len(run.stages) > 1:
-            snap = os.path.join(cfg["out_dir"], f"stage{stage + 1}_{name.replace('/', '_').replace('+', '_')}")
-            checkpoint.save_snapshot(snap, run.ckpt_dir, run.model, run.tokenizer, state_dict=weights)
+    if len(run.stages) > 1:
+        save_stage_snapshot(run, cfg, ddp, stage)
     state.stage, state.stage_iter = stage + 1, 0
     save_checkpoint(run, cfg, ddp, passed=passed)
+
+
+def stage_snapshot_dir(cfg, stage, name):
+    return os.path.join(cfg["out_dir"], f"stage{stage + 1}_{name.replace('/', '_').replace('+', '_')}")
+
+
+def save_stage_snapshot(run, cfg, ddp, stage, only_if_missing=False):
+    """The model after stage `stage` as a plain HF folder (eval.py's drift per stage reads it).
+    only_if_missing: rank 0's view of the folder decides for every rank (fsdp gathers the weights)."""
+    snap = stage_snapshot_dir(cfg, stage, run.stages[stage][0])
+    if only_if_missing and ddp.gather(os.path.isdir(snap))[0]:
+        return
+    weights = full_state_dict(run.model) if cfg["parallel"] == "fsdp" else None  # every rank takes part
+    if ddp.master:
+        checkpoint.save_snapshot(snap, run.ckpt_dir, run.model, run.tokenizer, state_dict=weights)
 
 
 def main(cfg):
@@ -1245,6 +1290,8 @@ def train_loop(run, cfg, ddp):
         name, iters = run.stages[stage]
         tasks, trained = run.train_tasks[name], metrics.trained_sets(run.stages, name)  # trained: the guard's judged sets
         if stage > 0 and state.stage_iter == 0:
+            # a one-stage run extended by stages (a resume) wrote no snapshot at its end: its weights are these
+            save_stage_snapshot(run, cfg, ddp, stage - 1, only_if_missing=True)
             start_stage(run, cfg)
         stage_desc = f"stage {stage + 1}/{len(run.stages)} {name}" if len(run.stages) > 1 else name
         while state.stage_iter < iters:

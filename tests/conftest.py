@@ -125,8 +125,13 @@ def assert_resume_continues_exactly(common, tmp_path):
     run_train(*common, f"--out_dir={tmp_path / 'full'}", "--max_iters=6", env=one_thread)
     run_train(*common, f"--out_dir={tmp_path / 'split'}", "--max_iters=6", "--save_interval=3",
               "--stages=toy/add:3", env=one_thread)  # stop after 3 (a one-stage run of 3 iterations) ...
+    from safetensors.torch import load_file
+    after_three = load_file(str(tmp_path / "split" / "ckpt" / "model.safetensors"))
     run_train(*common, f"--out_dir={tmp_path / 'split'}", "--max_iters=6", "--init_from=resume",
               "--stages=toy/add:3,toy/add:3", env=one_thread)  # ... then continue into a second stage of 3
+    # the one-stage run wrote no snapshot at its end; extended by a stage, it is written then (the same weights)
+    snapshot = load_file(str(tmp_path / "split" / "stage1_toy_add" / "model.safetensors"))
+    assert snapshot.keys() == after_three.keys() and all(torch.equal(snapshot[k], after_three[k]) for k in snapshot)
     full = [r for r in read_log(tmp_path / "full") if "loss" in r]
     split = [r for r in read_log(tmp_path / "split") if "loss" in r]
     assert [r["iter"] for r in split] == [1, 2, 3, 4, 5, 6]

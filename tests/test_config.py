@@ -307,6 +307,10 @@ def test_every_template_is_tried_at_check_time(key, template, expect):
     (["--algo=sdpo", "--distill=token", "--alpha=0.5"], "distill=token estimates the reverse KL (alpha=1)"),
     (["--algo=sdpo", "--teacher=live", "--teacher_init=some/model"], "teacher_init sets the starting weights"),
     (["--algo=grpo", "--teacher_init=some/model"], "teacher_init sets the starting weights"),
+    (["--algo=sdpo", "--teacher=live", "--teacher_stage_reset=initial"], "teacher_stage_reset=initial reloads a teacher's own"),
+    (["--algo=sdpo", "--teacher=trust_region", "--teacher_stage_reset=student"], "teacher=trust_region has none"),
+    (["--algo=grpo", "--teacher_stage_reset=student"], "it needs algo=sdpo with teacher=frozen or ema"),
+    (["--algo=sdpo", "--teacher=frozen", "--teacher_stage_reset=initial"], "the frozen teacher is the initial model already"),
 ])
 def test_knobs_that_would_do_nothing_are_refused_in_one_line(args, expect):
     if args[1] == "--kl_coef=0.1":  # once through the command line: one line, exit 1
@@ -318,6 +322,8 @@ def test_knobs_that_would_do_nothing_are_refused_in_one_line(args, expect):
         train.check_config(configure(dict(vars(train)), ["config/sdpo_toy.py", *args], train.__file__))
     assert "\n" not in str(e.value)
     train.check_config(dict(defaults(), algo="sdpo", kl_coef=0.1, grpo_mix=0.5))  # with a GRPO term, KL acts
+    for teacher, reset, init in (("frozen", "student", ""), ("ema", "initial", ""), ("frozen", "initial", "some/model")):
+        train.check_config(dict(defaults(), algo="sdpo", teacher=teacher, teacher_stage_reset=reset, teacher_init=init))
 
 
 def test_a_patience_of_zero_is_refused_at_the_config_check(tmp_path):

@@ -144,7 +144,7 @@ def test_the_merged_checkpoint_loads_without_peft_and_gives_the_lora_models_logi
         on_base = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir), str(ckpt / "adapter"))
         torch.testing.assert_close(logits_of(on_base, ids), want)
         # the frozen teacher is the base: the checkpoint keeps none of it
-        assert load_file(str(ckpt / "trainer" / "teacher.safetensors")) == {}
+        assert not (ckpt / "trainer" / "teacher.safetensors").exists()
         assert not (ckpt / "trainer" / "model_fp32.safetensors").exists()
         # eval.py compares the run's base with the one the adapter was trained on: the adapter's metadata holds
         # the base's fingerprint, which the plain base model (loaded without peft) reproduces

@@ -328,12 +328,30 @@ def test_checkpoint_files_get_the_umasks_mode_like_every_other_file(tmp_path, to
     assert any(str(p).endswith("optimizer.safetensors") for p in modes) and set(modes.values()) == {"0o644"}, modes
 
 
-def test_resume_continues_exactly(toy_data, tmp_path):
-    """3 iterations, checkpoint, 3 more == 6 uninterrupted (SDPO+EMA: model, optimizer, teacher, RNG;
-    one thread, conftest.assert_resume_continues_exactly)."""
-    common = ["config/sdpo_toy.py", *TINY, "--dataset=toy/add", "--init_from=scratch", "--success_threshold=0.0", "--teacher=ema",
-              "--density=0.5", "--learning_rate=1e-2", "--device=cpu"]
+@pytest.mark.parametrize("teacher", ["ema", "frozen"])
+def test_resume_continues_exactly(toy_data, tmp_path, teacher):
+    """3 iterations, checkpoint, 3 more == 6 uninterrupted (SDPO: model, optimizer, teacher, RNG; one
+    thread, conftest.assert_resume_continues_exactly). A frozen teacher is the initial model, which a
+    resume rereads from base_init: the checkpoint keeps no copy of it; an EMA teacher's is kept."""
+    common = ["config/sdpo_toy.py", *TINY, "--dataset=toy/add", "--init_from=scratch", "--success_threshold=0.0",
+              f"--teacher={teacher}", "--density=0.5", "--learning_rate=1e-2", "--device=cpu"]
     assert_resume_continues_exactly(common, tmp_path)
+    assert (tmp_path / "split" / "ckpt" / "trainer" / "teacher.safetensors").exists() == (teacher == "ema")
+
+
+def test_a_resume_says_what_its_allowed_changes_do_to_the_run():
+    """gen_batch_size may be lowered after an out-of-memory, but the rollouts then draw their random
+    numbers in other chunks; a longer run under decay_lr recomputes its cosine (the rate jumps back up)."""
+    cfg = dict(defaults(), decay_lr=True, learning_rate=1e-2, min_lr=0.0, warmup_iters=1)
+    assert train.resume_notes(cfg, cfg, [("toy/add", 4)], [("toy/add", 4)], 2) == []
+    notes = train.resume_notes(dict(cfg, gen_batch_size=8), dict(cfg, gen_batch_size=4), [("toy/add", 4)],
+                               [("toy/add", 4)], 2)
+    assert len(notes) == 1 and "gen_batch_size 8 -> 4" in notes[0] and "uninterrupted" in notes[0]
+    notes = train.resume_notes(cfg, cfg, [("toy/add", 4)], [("toy/add", 4), ("toy/sub", 4)], 4)
+    assert notes == ["note: decay_lr: the cosine now spans 8 iterations, not 4: the learning rate goes from 0 at "
+                     "iteration 4 to 0.00389 at iteration 5 (a run planned at 8 decays smoothly)"]
+    assert train.resume_notes(dict(cfg, decay_lr=False), dict(cfg, decay_lr=False), [("toy/add", 4)],
+                              [("toy/add", 8)], 4) == []  # a constant rate: nothing recomputed
 
 
 def test_resume_can_extend_a_finished_run_and_redoes_nothing(finished_run, tmp_path, toy_data, capsys):
