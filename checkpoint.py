@@ -525,8 +525,14 @@ def same_fingerprint(saved, model):
 
 def check_init_outside(init, out_dir, overwrite):
     """A fresh run from a checkpoint inside out_dir with --overwrite=True would remove the model it starts
-    from (and its own checkpoints would take that path, which a resume rereads as the initial model)."""
-    inside = os.path.realpath(init).startswith(os.path.realpath(out_dir) + os.sep)
+    from (and its own checkpoints would take that path, which a resume rereads as the initial model);
+    an out_dir that is the model folder, or inside it, would write the run into that folder."""
+    model, out = os.path.realpath(init), os.path.realpath(out_dir)
+    if init != "scratch" and os.path.isdir(init) and (out == model or out.startswith(model + os.sep)):
+        raise UserError(f"out_dir={out_dir} is {'init_from' if out == model else 'inside init_from'}={init}: a run "
+                        "would write into the model folder it starts from (another run's checkpoint, which that "
+                        "run's next save replaces whole): give this run another out_dir")
+    inside = model.startswith(out + os.sep)
     if overwrite and init != "scratch" and os.path.exists(init) and inside:
         raise UserError(f"init_from={init} is inside out_dir={out_dir}, which --overwrite=True empties: copy the "
                         "checkpoint out of it first, or give this run another out_dir")

@@ -2,7 +2,7 @@
 Evaluate a trained model against the model it started from: accuracy, continual metrics, drift.
 
     python eval.py --run_dir=out/grpo_toy                                  # the run's final checkpoint vs its base
-    python eval.py --run_dir=out/cl_sdpo --eval_sets=toy/add,toy/mul,toy/sort --plots=True
+    python eval.py --run_dir=out/continual_sdpo --eval_sets=toy/add,toy/mul,toy/sort --plots=True
     python eval.py --model=out/sdpo_math/ckpt --base_model=Qwen/Qwen3-4B --eval_sets=math --n=16 --k=1,4,16
 
 What it reports (JSON at `out`, default run_dir/eval.json, and a markdown table beside it):
@@ -925,7 +925,7 @@ def main(cfg):
         raise train.UserError("nothing to evaluate: give --run_dir=<train.py out_dir> or --model=<checkpoint or HF id>")
     # the run's base_init is as train.py was given it: relative to train.py's working directory, which is
     # usually the repository (data.tasks.resolve: from here, else under the repository, else as given)
-    base_path = cfg["base_model"] or task_files.resolve(state.get("base_init") or "")
+    base_path = cfg["base_model"] or (task_files.resolve(state["base_init"]) if state.get("base_init") else "")
     if base_path == "none":
         base_path = ""
     if cfg["max_new_tokens"] < 0:

@@ -423,6 +423,10 @@ def load_model(init, dev, dtype=torch.float32, scratch=None, with_tokenizer=True
         if not os.path.isdir(init) and init.count("/") != 1:
             raise ModelError(f"model {init} not found: no such folder, and not a hub id like Qwen/Qwen3-8B "
                              f"({writer_hint(init)})")
+        first = init.split("/")[0]
+        if not os.path.isdir(init) and os.path.isdir(first):  # out/typo: a mistyped path, not a hub id to retry for a minute
+            raise ModelError(f"model {init} not found: no such folder ({first}/ is a folder here, so {init} reads as a path, "
+                             f"not a hub id; {writer_hint(init)})")
         if with_tokenizer and os.path.isdir(init) and not any(os.path.exists(os.path.join(init, f)) for f in TOKENIZER_FILES):
             raise ModelError(f"{init} has no tokenizer files ({', '.join(TOKENIZER_FILES[:3])}, ...): copy them from the "
                              "model it was trained from (tokenizer.save_pretrained) into the folder")

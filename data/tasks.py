@@ -55,6 +55,10 @@ def missing_set(data_dir, part, split, path):
     others = sorted(f[:-len(".jsonl")] for f in os.listdir(folder) if f.endswith(".jsonl")) if os.path.isdir(folder) else []
     if others:  # the set is there, without this split (aime, math500 ... are test sets only)
         return f"{line}: the set {part} has no {split} split (only {', '.join(others)}): use a set that has one"
+    inside = sorted(n for n in (os.listdir(folder) if os.path.isdir(folder) else ())
+                    if os.path.exists(os.path.join(folder, n, f"{split}.jsonl")))
+    if inside:  # a folder of sets (data/toy), not a set
+        return f"{line}: {part} is a folder of sets, not a set: name one of " + ", ".join(f"{part}/{n}" for n in inside)
     if os.path.exists(prepare) and (part == head or os.path.isdir(folder) or not prepared):
         return f"{line}: run `python {prepare}` first"
     if beside:

@@ -579,6 +579,22 @@ def test_eval_py_refuses_a_run_s_base_whose_weights_changed_since_the_run_began(
         ev.main(dict(cfg, base_model=str(base)))
 
 
+def test_eval_py_on_a_model_alone_scores_it_without_a_base(finished_run, toy_data, tmp_path, monkeypatch):
+    """--model without --run_dir: no run, so no base_init; the default base is none (it once resolved ''
+    to the repository folder and refused it as a model)."""
+    loaded = []
+    real_load = ev.load
+    monkeypatch.setattr(ev, "load", lambda path, *a: loaded.append(path) or real_load(path, *a))
+    cfg = dict(configure(dict(vars(ev)), [], ev.__file__), model=str(finished_run / "ckpt"), eval_sets="toy/add", n=2,
+               k="1,2", max_prompts=2, max_new_tokens=8, drift_prompts=0, stage_drift=False, spectral_k=-1, device="cpu",
+               out=str(tmp_path / "e.json"))
+    ev.main(cfg)
+    with open(tmp_path / "e.json") as f:
+        report = json.load(f)
+    assert loaded == [str(finished_run / "ckpt")] and report["base_model"] is None
+    assert report["accuracy"]["toy/add"]["base"] is None and report["accuracy"]["toy/add"]["n_prompts"] == 2
+
+
 def test_an_accuracy_matrix_without_eval_sets_is_refused_in_one_line():
     with pytest.raises(train.UserError, match="well-formed accuracy matrix"):
         ev.check_matrix({"eval_sets": [], "stages": ["toy/add"], "rows": [[]], "base": {}}, "m.json")

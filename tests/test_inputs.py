@@ -298,13 +298,36 @@ def test_a_missing_set_names_its_prepare_py_and_a_misspelt_one_the_sets_there(tm
         write_jsonl(data / "fam" / name / "train.jsonl", [GOOD])
     assert line("fam/mull").endswith(f"{data / 'fam'} has no set 'mull'; it has add, mul")
     assert line("famm").endswith(f"{data} has no set 'famm'; it has fam")
+    assert line("fam").endswith("fam is a folder of sets, not a set: name one of fam/add, fam/mul")  # not 'run prepare'
     assert line("fam/add", str(tmp_path / "elsewhere")).endswith(
         f"and there is no {tmp_path / 'elsewhere' / 'fam' / 'prepare.py'} to make it: check --data_dir and the set's name")
 
 
 def test_a_mistyped_folder_that_reads_as_a_hub_id_says_there_is_no_such_folder(toy_data, tmp_path):
-    line = one_line_error(run_train_here("config/grpo_toy.py", "--init_from=out/no_such_base", f"--out_dir={tmp_path}"))
-    assert "cannot load model 'out/no_such_base': no such folder here, and from the hub: " in line
+    line = one_line_error(run_train_here("config/grpo_toy.py", "--init_from=no_such_dir/no_such_base", f"--out_dir={tmp_path}"))
+    assert "cannot load model 'no_such_dir/no_such_base': no such folder here, and from the hub: " in line
+
+
+def test_a_mistyped_path_under_a_folder_that_exists_is_no_hub_id(tmp_path, monkeypatch):
+    """out/typo has one slash, like Qwen/Qwen3-4B, but out/ is a folder here: a path, refused at once (asking
+    the hub took ~50 s of retries, and its message was about the network)."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "out").mkdir()
+    with pytest.raises(UserError, match=r"^model out/typo not found: no such folder \(out/ is a folder here, so "
+                                        r"out/typo reads as a path, not a hub id; "):
+        models.load_model("out/typo", CPU)
+
+
+def test_an_out_dir_that_is_the_model_folder_or_inside_it_is_refused(toy_data, tmp_path):
+    """A run written into its init_from folder (another run's checkpoint, which that run's next save
+    replaces whole) would be lost, and would mix its files into a model folder."""
+    base = tmp_path / "base"
+    base.mkdir()
+    (base / "config.json").write_text("{}")
+    for out, where in ((base, "is init_from"), (base / "run", "is inside init_from")):
+        with pytest.raises(UserError, match=f"out_dir={out} {where}="):
+            train.main(cli_cfg(f"--out_dir={out}", f"--init_from={base}"))
+    assert sorted(os.listdir(base)) == ["config.json"]
 
 
 def test_missing_model_folder_is_one_clear_error():

@@ -55,3 +55,16 @@ def test_teacher_context_copies_per_domain(toy_data):
         if "Correct solution:" in content:  # prepare.py writes train.teacher_prompt_text's form without importing train
             assert content == train.teacher_prompt_text(question, original["solution"], None, train.reprompt_template,
                                                         train.solution_template, train.feedback_template)
+
+
+def test_the_toy_prepare_script_refuses_arguments_it_would_ignore(toy_data):
+    """Its sets are fixed in the file: `--seed=3` printed 'wrote ...' and changed nothing."""
+    import subprocess
+    import sys
+    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data", "toy", "prepare.py")
+    stamp = os.path.join(toy_data, "toy", "prepared.sha256")
+    before = os.stat(stamp).st_mtime_ns
+    proc = subprocess.run([sys.executable, script, "--seed=3"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and proc.stderr.strip() == ("error: data/toy/prepare.py takes no arguments "
+                                                             "(got --seed=3): run it alone")
+    assert os.stat(stamp).st_mtime_ns == before  # nothing written

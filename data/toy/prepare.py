@@ -251,6 +251,8 @@ def write_context_set(name, domains):
 
 
 if __name__ == "__main__":
+    if sys.argv[1:]:  # its sets are fixed (seeded in this file): a flag here would be ignored, silently
+        sys.exit(f"error: data/toy/prepare.py takes no arguments (got {' '.join(sys.argv[1:])}): run it alone")
     context = write_context_set("context", DOMAINS)
     code_context = write_context_set("context_code", CODE_DOMAINS)
     tokenizer = build_char_tokenizer()
