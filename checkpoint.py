@@ -510,12 +510,23 @@ def check_base(state, initial_model):
     saved = state.base_fingerprint
     if saved is None:
         return
-    if not (isinstance(saved, list) and len(saved) == 2 and all(isinstance(x, float) for x in saved)):
+    if not is_fingerprint(saved):
         raise UserError(f"{state.base_init}: the checkpoint's base_fingerprint is {str(saved)[:40]}, not two numbers "
                         "(damaged, or not written by this train.py): the checkpoint cannot be resumed")
     if not same_fingerprint(saved, initial_model):
         raise UserError(f"init_from=resume: {state.base_init}, this run's initial model, holds other weights than when "
                         "the run began (it changed since): restore that model, or start a new out_dir")
+
+
+def is_fingerprint(saved):
+    """Whether a saved base_fingerprint is well-formed: two floats (models.base_fingerprint)."""
+    return isinstance(saved, list) and len(saved) == 2 and all(isinstance(x, float) for x in saved)
+
+
+def adapter_fingerprint(path):
+    """The base fingerprint a LoRA adapter file was saved with (its metadata), or None."""
+    with safe_open(path, "pt") as f:
+        return json.loads((f.metadata() or {}).get("nanosdpo_base", "null"))
 
 
 def same_fingerprint(saved, model):
@@ -613,8 +624,7 @@ def load_trainer(ckpt_dir, state, model, optimizer, teacher_model):
             raise UserError(f"{adapter} is missing: the checkpoint has no LoRA adapter to resume (was it written "
                             "with lora_rank=0?)")
         _load_tensors(adapter_tensors(model), adapter, "the LoRA adapter")
-        with safe_open(adapter, "pt") as f:
-            saved_base = json.loads((f.metadata() or {}).get("nanosdpo_base", "null"))
+        saved_base = adapter_fingerprint(adapter)
         if saved_base is not None and not same_fingerprint(saved_base, model):
             raise UserError(f"init_from=resume: the base {state['base_init']} holds other weights than the run's LoRA "
                             "adapter was trained on (it changed since): restore that base, or start a new out_dir")

@@ -553,14 +553,11 @@ def saved_base_fingerprint(state, ckpt):
     saved = (state or {}).get("base_fingerprint")
     adapter = os.path.join(ckpt, "adapter", "adapter_model.safetensors")
     if saved is None and os.path.isfile(adapter):
-        from safetensors import safe_open
         try:
-            with safe_open(adapter, "pt") as f:
-                saved = json.loads((f.metadata() or {}).get("nanosdpo_base", "null"))
+            saved = checkpoint.adapter_fingerprint(adapter)
         except (OSError, ValueError, RuntimeError):  # a damaged adapter: loading the model says so
             return None
-    ok = isinstance(saved, list) and len(saved) == 2 and all(isinstance(x, float) for x in saved)
-    return saved if ok else None
+    return saved if checkpoint.is_fingerprint(saved) else None
 
 
 def read_json(path):
