@@ -11,7 +11,7 @@ from typing import NamedTuple
 import torch
 
 from configurator import UserError
-from models import adapter_copy, frozen_copy, lm_head, load_model, lora_layers, shared_prompt_hidden
+from models import ModelError, adapter_copy, frozen_copy, lm_head, load_model, lora_layers, shared_prompt_hidden
 from runtime import is_sharded, local, shard_like
 
 
@@ -158,7 +158,10 @@ def load_teacher_init(cfg, student, load_dev):
     have the student's names and shapes (the EMA formula mixes them one by one)."""
     if not cfg["teacher_init"]:
         return None
-    init = load_model(cfg["teacher_init"], load_dev, scratch=cfg, with_tokenizer=False)[0]
+    try:
+        init = load_model(cfg["teacher_init"], load_dev, scratch=cfg, with_tokenizer=False)[0]
+    except ModelError as e:  # its line names the model; this one names the setting too (init_from's is the student's)
+        raise ModelError(f"teacher_init: {e}") from None
     want = {n: tuple(p.shape) for n, p in student.named_parameters()}
     got = {n: tuple(p.shape) for n, p in init.named_parameters()}
     if got != want:

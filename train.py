@@ -218,6 +218,10 @@ RANGES = {  # key: (low, high, low inclusive)
 POSITIVE = ("max_iters", "batch_prompts", "group_size", "micro_batch_size", "max_new_tokens", "topk",
             "n_layer", "n_head", "n_embd", "block_size", "eval_n", "max_reprompt_len", "temperature",
             "eval_temperature", "collapse_patience", "lora_alpha")
+SDPO_ONLY = ("dont_reprompt_on_self_success", "remove_thinking", "use_feedback", "feedback_only_without_solution",
+             "reprompt_template", "solution_template", "feedback_template", "max_reprompt_len", "teacher", "teacher_rate",
+             "teacher_init_alpha", "alpha", "distill", "topk", "tail", "is_clip", "density", "density_select",
+             "distill_agg", "grpo_mix")  # the settings that algo=grpo / sft never read (unused_settings says so)
 NON_NEGATIVE = ("gen_batch_size", "warmup_iters", "eval_interval", "eval_max_prompts", "save_interval", "weight_decay",
                 "grad_clip", "clip_low", "clip_high", "kl_coef", "is_clip", "loss_chunk",
                 "max_prompt_len", "lora_rank")
@@ -261,6 +265,28 @@ def check_config(cfg):
     for key, names in {"reprompt_template": "prompt solution feedback", "solution_template": "solution",
                         "feedback_template": "feedback"}.items():  # each tried now, not at the first teacher prompt
         check_template(key, cfg[key], names.split())
+
+
+def unused_settings(cfg, defaults, vocab):
+    """Notes for settings moved from their default that this run's other settings make do nothing (or,
+    topk at the vocabulary's size, something other than what they say). Said, not refused: the config cannot tell a value someone typed from one a config file set, and a
+    sweep such as --density=1.0 over a config that sets density_select must still run."""
+    nothing = "does nothing in this run:"
+    inert = {  # key: what it does here, if not what it says (None: it acts)
+        "teacher_rate": (None if cfg["teacher"] in ("ema", "trust_region") else
+                         f"{nothing} it is the rate of teacher=ema or trust_region, not {cfg['teacher']}"),
+        "teacher_init_alpha": None if cfg["teacher_init"] else f"{nothing} it weighs teacher_init, which is not set",
+        "density_select": None if cfg["density"] < 1 else f"{nothing} at density=1 every response token is distilled",
+        "topk": (f"{nothing} distill={cfg['distill']} does not use it" if cfg["distill"] != "topk" else
+                 f"is not below the vocabulary ({vocab} tokens): distill=topk is distill=full here" if cfg["topk"] >= vocab else None),
+        "min_lr": None if cfg["decay_lr"] else f"{nothing} it is where decay_lr's cosine ends, and decay_lr=False",
+        "lora_alpha": None if cfg["lora_rank"] else f"{nothing} it scales LoRA's adapters, and lora_rank=0",
+        "lora_targets": None if cfg["lora_rank"] else f"{nothing} it names LoRA's adapted layers, and lora_rank=0",
+    }
+    if cfg["algo"] != "sdpo":  # (teacher_init and teacher_stage_reset are refused instead: check_config)
+        inert.update({key: f"{nothing} it is an SDPO setting (algo={cfg['algo']})" for key in SDPO_ONLY})
+    return [f"note: {key}={cfg[key]!r} {why}" for key, why in inert.items()
+            if why and key in defaults and cfg[key] != defaults[key]]
 
 
 # ----------------------------------------------------------------------------- data
@@ -1061,6 +1087,9 @@ def setup(cfg, ddp, stack):
         log.say(note)
     if not has_chat_template(tokenizer):
         log.say(f"note: {cfg['init_from']}'s tokenizer has no chat template: prompts are the messages' text, one per line")
+    for note in unused_settings(cfg, defaults={k: v for k, v in globals().items() if k in cfg},
+                                vocab=model.get_output_embeddings().weight.shape[0]):
+        log.say(note)
     disable_dropout(model).train()  # dropout off (the RL references' choice): ρ = 1 before any update
     if cfg["grad_checkpointing"]:
         enable_grad_checkpointing(model)

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT, TINY, cli_cfg, defaults, run_train, run_train_here
+from conftest import ROOT, TINY, cli_cfg, defaults, run_train, run_train_here, tiny_cfg
 
 import train
 
@@ -324,6 +324,44 @@ def test_knobs_that_would_do_nothing_are_refused_in_one_line(args, expect):
     train.check_config(dict(defaults(), algo="sdpo", kl_coef=0.1, grpo_mix=0.5))  # with a GRPO term, KL acts
     for teacher, reset, init in (("frozen", "student", ""), ("ema", "initial", ""), ("frozen", "initial", "some/model")):
         train.check_config(dict(defaults(), algo="sdpo", teacher=teacher, teacher_stage_reset=reset, teacher_init=init))
+
+
+@pytest.mark.parametrize("overrides,expect", [
+    (dict(algo="sdpo", teacher="frozen", teacher_rate=0.1), "teacher_rate=0.1 does nothing in this run: it is the rate of teacher=ema"),
+    (dict(algo="sdpo", teacher="live", teacher_rate=0.1), "not live"),
+    (dict(algo="sdpo", teacher_init_alpha=0.5), "teacher_init_alpha=0.5 does nothing in this run: it weighs teacher_init"),
+    (dict(algo="sdpo", density_select="last"), "density_select='last' does nothing in this run: at density=1"),
+    (dict(algo="sdpo", distill="full", topk=20), "topk=20 does nothing in this run: distill=full does not use it"),
+    (dict(algo="sdpo", topk=5000), "topk=5000 is not below the vocabulary (1000 tokens): distill=topk is distill=full"),
+    (dict(min_lr=1e-7), "min_lr=1e-07 does nothing in this run: it is where decay_lr's cosine ends"),
+    (dict(lora_alpha=16.0), "lora_alpha=16.0 does nothing in this run: it scales LoRA's adapters, and lora_rank=0"),
+    (dict(lora_targets="q_proj"), "lora_targets='q_proj' does nothing in this run"),
+    (dict(algo="grpo", density=0.5), "density=0.5 does nothing in this run: it is an SDPO setting (algo=grpo)"),
+    (dict(algo="sft", max_reprompt_len=100), "max_reprompt_len=100 does nothing in this run: it is an SDPO setting (algo=sft)"),
+])
+def test_a_setting_that_does_nothing_in_this_run_gets_a_note(overrides, expect):
+    base = defaults()
+    notes = train.unused_settings(dict(base, **overrides), base, vocab=1000)
+    assert len(notes) == 1 and notes[0].startswith("note: ") and expect in notes[0], notes
+
+
+@pytest.mark.parametrize("overrides", [
+    dict(algo="sdpo", teacher="ema", teacher_rate=0.1), dict(algo="sdpo", teacher="trust_region", teacher_rate=0.1),
+    dict(algo="sdpo", teacher_init="some/model", teacher_init_alpha=0.5), dict(algo="sdpo", density=0.5, density_select="last"),
+    dict(algo="sdpo", topk=999), dict(decay_lr=True, min_lr=1e-7), dict(lora_rank=8, lora_alpha=16.0),
+    dict(algo="sdpo", density=0.5, teacher="frozen"),  # defaults, and settings that act, say nothing
+])
+def test_settings_that_act_get_no_note(overrides):
+    base = defaults()
+    assert train.unused_settings(dict(base, **overrides), base, vocab=1000) == []
+
+
+def test_a_run_says_which_of_its_settings_do_nothing(toy_data, tmp_path, capsys):
+    """The notes reach a run's console, before its first iteration."""
+    train.main(tiny_cfg(toy_data, tmp_path / "run", algo="grpo", max_iters=1, min_lr=1e-6))
+    out = capsys.readouterr().out
+    assert "note: min_lr=1e-06 does nothing in this run" in out
+    assert "note: topk=10 does nothing in this run: it is an SDPO setting (algo=grpo)" in out  # TINY sets topk
 
 
 def test_a_patience_of_zero_is_refused_at_the_config_check(tmp_path):

@@ -484,7 +484,8 @@ def test_a_teacher_init_that_is_missing_or_another_model_changes_nothing(finishe
     models.load_model("scratch", "cpu", scratch=dict(cli_cfg(), n_embd=64))[0].save_pretrained(other)
     out = copy_of(finished_run, tmp_path)
     before = listing(out)
-    for init, says in ((tmp_path / "no-such-model", "no-such-model"), (other, "is not the student's architecture")):
+    for init, says in ((tmp_path / "no-such-model", "^teacher_init: model .*no-such-model not found"),
+                       (other, "is not the student's architecture")):
         with pytest.raises(train.UserError, match=says) as e:
             train.main(cli_cfg(f"--out_dir={out}", "--overwrite=True", "--algo=sdpo", "--teacher=ema",
                                f"--teacher_init={init}"))
