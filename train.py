@@ -1177,7 +1177,9 @@ def score_and_log_eval_sets(run, cfg, ddp, tag):
     (eval/<set>/teacher_mean@n): it shows when the teacher stops being better than the student."""
     state, n = run.state, cfg["eval_n"]
     teacher = run.teacher and run.teacher.eval_model(run.model)
-    generators = [make_generator(stream_seed(cfg["seed"], ddp.rank, k), ddp.device) for k in (1, 2)]  # the same samples each eval
+    # the same samples each eval; the sets share one stream, so a set's samples depend on the sets before it in
+    # eval_sets (one generator per set would change every accuracy matrix RESULTS.md reports)
+    generators = [make_generator(stream_seed(cfg["seed"], ddp.rank, k), ddp.device) for k in (1, 2)]
     row, lengths, record = {}, {}, {"iter": state.iter, "eval_tag": tag}
     for name, tasks in run.eval_tasks.items():
         acc, lengths[name] = score_across_ranks(run, cfg, ddp, run.model, tasks, generators[0])
