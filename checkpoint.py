@@ -8,7 +8,7 @@ it is in metrics.py.)
       .ckpt.lock            flock'd while a checkpoint is written (eval.py waits on it to read one)
       log.jsonl             one record per iteration and per eval
       samples.jsonl         a few rollouts (prompt, response, reward, teacher prompt) per eval
-      accuracy_matrix.json  every eval set after every stage (continual runs)
+      accuracy_matrix.json  every eval set after every stage (one row per stage)
       stage<i>_<name>/      the model after each stage (continual runs)
       ckpt/                 the latest checkpoint: a plain HF model folder (config, weights in
                             save_dtype, tokenizer, generation_config and nothing else at its top level,

@@ -4,9 +4,10 @@ values a run uses are the dict configure() returns (the globals stay the default
 
     python train.py config/sdpo_toy.py --density=0.5 --out_dir=out/d05
 
-Each positional argument is a python file executed in the script's globals (a config file is
-a diff against the defaults); each --key=value overrides one default. Values are parsed as
-python literals (plain words stay strings); the type must match the default's (an int where a
+Each positional argument is a python file executed in a namespace holding the current settings
+(not the script's globals: a config file is a diff against the defaults); each --key=value
+overrides one default. Values are parsed as python literals (plain words stay strings; a key whose
+default is a string takes the text as given); the type must match the default's (an int where a
 float is expected is fine) and a float must be finite. A config file may import modules and
 define functions and classes; any other name it leaves behind is a setting (a data helper is
 named _x, so that a typo'd key holding a list is not mistaken for one). Every bad input -- an

@@ -8,8 +8,9 @@ line per iteration. The per-iteration diagnostics are the ones RL users debug a 
   kl_sampler               k3 estimate of KL(π_old ‖ π), taken before the step: the trainer's forward against
                            the sampler's (≈ 0: bf16 decode weights, caches), not the size of the update
   entropy                  the student's entropy per response token (a collapsing policy loses it)
-  (these five: over the response tokens of the rows in the loss -- a GRPO signal or a teacher -- only:
-  groups whose rewards were all equal are left out, and a step where no row is in the loss logs none)
+  (these five: over the response tokens of the rows in the loss only -- a nonzero advantage, kl_coef > 0,
+  or a teacher: under GRPO a group whose rewards were all equal is left out, and a step where no row is
+  in the loss logs none)
   div                      the distillation divergence per distilled token
   topk_mass                the probability mass of the student's top-k (distill='topk'; the rest is the tail)
   sampled_logratio(_ok, _failed)
@@ -18,7 +19,8 @@ line per iteration. The per-iteration diagnostics are the ones RL users debug a 
                            sampled from p estimates −KL(p‖q): it is ≤ 0 however good the teacher is;
                            it measures how far apart they are, not which is better.
 and from the rollout (train.build_batch): reward, acc, group_success, zero_signal_groups, peer_frac,
-distill_frac, resp_len, truncated, reprompt_truncated, phase times.
+distill_frac, resp_len, truncated, reprompt_truncated, phase times (peer_frac: the fraction of responses
+with a teacher prompt, a peer's or feedback).
 """
 import dataclasses
 import json
@@ -164,8 +166,8 @@ def stuck_warnings(record, counts, algo, grpo_in_loss=True):
     signs = {
         "zero_signal_groups": (grpo_in_loss and record.get("zero_signal_groups") == 1, "every group's rewards were equal, "
                                "so GRPO had no signal: raise group_size, or use a dataset this model solves sometimes"),
-        "peer_frac": (algo == "sdpo" and record.get("peer_frac") == 0, "no response had a successful peer, so SDPO "
-                      "had no teacher: lower success_threshold, raise group_size, or set use_feedback=True"),
+        "peer_frac": (algo == "sdpo" and record.get("peer_frac") == 0, "no response had a teacher prompt (no "
+                      "successful peer, no feedback), so SDPO had no signal: lower success_threshold, raise group_size, or set use_feedback=True"),
         "truncated": (record.get("truncated") == 1, "every response hit max_new_tokens before an EOS: raise max_new_tokens"),
     }
     out = []

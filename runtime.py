@@ -41,7 +41,8 @@ def pick_device(name):
 
 
 def amp_dtype(dev, dtype_name):
-    """The autocast dtype: bf16 / fp16 on CUDA (params and optimizer stay fp32), None for fp32."""
+    """The autocast dtype (params and optimizer stay fp32): bf16 for 'auto' on CUDA and for 'bfloat16'
+    on any device, None for fp32 (train.py refuses float16)."""
     return {"auto": torch.bfloat16 if dev.type == "cuda" else None, "float32": None,
             "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype_name]
 

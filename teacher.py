@@ -134,8 +134,9 @@ class Teacher:
             ema_update(self.own, student, self.rate)
 
     def start_stage(self, reset, student, initial_model):
-        """A stage boundary: teacher_stage_reset 'student' or 'initial' reloads the own copy. Under LoRA a
-        frozen teacher is the initial model already, and an EMA one goes back to it with B = 0 (its
+        """A stage boundary: teacher_stage_reset 'student' or 'initial' reloads the own copy ('initial': the
+        run's initial model, the student's start, so a teacher_init mixed in at setup is left out). Under
+        LoRA a frozen teacher is the initial model already, and an EMA one goes back to it with B = 0 (its
         adapter then adds nothing: the base view has no adapter to copy)."""
         if self.own is None or reset == "keep" or self.own is initial_model:
             return

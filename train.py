@@ -37,8 +37,10 @@ Teacher.after_step() 6):
                   sft   cross-entropy on the reference solution;
                   grpo  PPO-clip on ρ = exp(logπ − logπ_old), optional k3 KL to the initial model;
                   sdpo  D(student ‖ teacher) on the distillation mask = response × has-teacher ×
-                        density mask (each token kept with probability `density`, redrawn every
-                        step), weighted by min(ρ, is_clip) (detached), mixed with the GRPO loss by
+                        density mask (density_select=random: each token kept with probability
+                        `density`, redrawn every step; 'disagree' / 'last': round(density·n) tokens of
+                        each response) × not overlong-filtered, weighted by min(ρ, is_clip) (detached),
+                        mixed with the GRPO loss by
                         grpo_mix (make_loss_fn has the formula). D, for student p and teacher q:
                         alpha=0 forward KL(q‖p), alpha=1 reverse KL(p‖q), else the generalized
                         JSD; over the full vocab, the student's top-k (+ a tail bucket), or the
@@ -61,8 +63,9 @@ Simplifications, on purpose:
   - Token-mean losses divide by the token count of the whole step (all micro-batches, all ranks),
     so the step size does not depend on how the batch is split.
   - Generation is plain HF forward calls with a KV cache, no vLLM and no paged attention. On CUDA
-    the decode step runs on a static KV cache through torch.compile (CUDA graphs), reading bf16
-    copies of the fp32 weights (decoding.decode_weights): a fixed-shape fast path, not a serving engine.
+    the decode step runs on a static KV cache through torch.compile (CUDA graphs), reading copies of
+    the fp32 weights in the autocast dtype (bf16 by default; decoding.decode_weights): a fixed-shape
+    fast path, not a serving engine.
   - One GPU, or under torchrun DDP-style data parallelism (a hand-written gradient all-reduce) or
     FSDP2 sharding of weights, gradients, optimizer state and teacher (parallel=fsdp, runtime.py).
 """
@@ -105,15 +108,15 @@ init_from = "scratch"  # 'scratch' (toy model from the config below), 'resume', 
 overwrite = False  # a fresh run into an out_dir that holds an earlier run replaces it (else it refuses)
 tokenizer_path = "data/toy/tokenizer"  # tokenizer for init_from='scratch'
 data_dir = "data"  # datasets live in data_dir/<name>/{train,test}.jsonl
-dataset = "toy/add"  # training set; several joined with '+' are mixed
+dataset = "toy/add"  # training set; several joined with '+' are pooled (each weighted by its size: prompts drawn from the union)
 stages = ""  # continual training: 'name:iters,name:iters,...' (overrides dataset and max_iters)
-eval_sets = ""  # comma-separated test sets scored at eval time ('' = the training set)
+eval_sets = ""  # comma-separated test sets scored at eval time ('' = every set the run trains on, all stages)
 eval_interval = 25  # iterations between evals (0 = only at the start and end of each stage)
 eval_n = 4  # samples per test prompt for mean@n / pass@n
 eval_max_prompts = 100  # test prompts per set (0 = all)
 eval_temperature = 0.6  # sampling temperature at eval
 eval_top_p = 0.95  # nucleus sampling at eval
-save_interval = 0  # iterations between checkpoints (0 = at each eval)
+save_interval = 0  # iterations between checkpoints within a stage (0 = at each eval; a stage's end always saves)
 save_dtype = "float32"  # dtype of the model exported in ckpt/ ('float32' or 'bfloat16'; resuming stays exact)
 log_jsonl = True  # append every iteration's metrics to out_dir/log.jsonl
 wandb_log = False  # also log to Weights & Biases (pip install wandb)
@@ -138,12 +141,12 @@ micro_batch_size = 64  # sequences per forward/backward (gradient accumulation o
 max_new_tokens = 64  # response length cap
 max_prompt_len = 0  # longer prompts are left out, and counted (0 = the model's context - max_new_tokens)
 overlong_filter = False  # leave responses cut off at max_new_tokens out of the loss (DAPO's overlong filtering)
-temperature = 1.0  # rollout sampling temperature (also divides the training logits)
+temperature = 1.0  # rollout sampling temperature (also divides the GRPO / SDPO training logits; SFT trains at 1)
 top_p = 1.0  # rollout nucleus sampling
 static_rollout = "auto"  # decode on a static KV cache through a torch.compile'd step: 'auto' (on for CUDA: CUDA graphs), 'on', 'off'
-gen_batch_size = 0  # rows (prompts x samples) decoded at once in rollouts and evals (0 = all; lower it when the KV cache OOMs)
+gen_batch_size = 0  # rows (prompts x samples) decoded at once in rollouts and evals, whole groups, at least one (0 = no cap; lower it when the KV cache OOMs)
 grad_checkpointing = False  # recompute each block's activations in the backward: less memory, a slower student step
-lora_rank = 0  # LoRA (pip install peft): train rank-r adapters only, the base frozen (and bf16 on CUDA); 0 = every weight
+lora_rank = 0  # LoRA (pip install peft): train rank-r adapters only, the base frozen (in the autocast dtype: bf16 on CUDA by default); 0 = every weight
 lora_alpha = 32.0  # LoRA: the adapters' update B·A is scaled by lora_alpha / lora_rank
 lora_targets = "all-linear"  # LoRA: linear layers to adapt, comma-separated (q_proj,v_proj), or every one ('all-linear'); never the LM head
 # optimizer
@@ -189,10 +192,10 @@ grpo_mix = 0.0  # loss = (1 - grpo_mix)·distill + grpo_mix·grpo
 fused_loss = True  # chunked LM-head loss with a hand-written backward (False: full logits)
 loss_chunk = 0  # tokens per chunk of the fused loss (0 = 128 on CPU, 512 on CUDA: one [chunk, vocab] fp32 buffer)
 # continual training
-teacher_stage_reset = "keep"  # at a stage boundary the teacher: 'keep', 'student' (copy) or 'initial'
+teacher_stage_reset = "keep"  # at a stage boundary the teacher: 'keep', 'student' (copy) or 'initial' (the run's initial model, without teacher_init)
 reset_optimizer = False  # fresh AdamW state at each stage
 stop_on_collapse = True  # stop (keeping the last good checkpoint) on a collapse; NaN/inf always stops
-collapse_patience = 3  # unhealthy evals in a row (a set below half its best, or empty responses) that count as a collapse
+collapse_patience = 3  # unhealthy evals in a row that count as a collapse (a set below half its best -- in a continual run only the current stage's --, any set at 0 after a best above it, or empty responses)
 # -----------------------------------------------------------------------------
 
 # ----------------------------------------------------------------------------- checks
@@ -301,7 +304,7 @@ def load_tasks(name, split, data_dir="data", need_solution=False):
 @dataclass
 class Batch:
     """One iteration's sequences, carried from the rollout to the loss and filled in phase by
-    phase; row i answers prompt i // group_size. Per row:"""
+    phase; row i answers prompt i // group_size (SFT: prompt i). Per row:"""
     prompt_ids: list  # rollout: the chat-templated prompt's token ids
     response_ids: list  # rollout: up to and including the first EOS (SFT: the reference solution)
     old_logprobs: list  # rollout: [n] the log-prob each token was sampled with (PPO / IS ratios)
@@ -382,7 +385,7 @@ def generate(model, prompts, *, group_size, max_rows=0, progress=False, **sampli
     """Sample `group_size` responses to each prompt (token-id lists) -> Batch (its rollout fields).
 
     max_rows > 0 decodes at most that many rows (prompts × group_size) at once, whole groups at a
-    time (with a progress bar if asked): the KV cache is what runs out first at long max_new_tokens.
+    time, at least one (with a progress bar if asked): the KV cache is what runs out first at long max_new_tokens.
     `sampling`: decode()'s keywords (max_new_tokens, temperature, top_p, eos_ids, pad_id, generator, static)."""
     per_call = max(1, max_rows // group_size) if max_rows > 0 else len(prompts)
     starts = range(0, len(prompts), per_call)
@@ -461,7 +464,8 @@ def decode(model, prompts, *, group_size, max_new_tokens, temperature, top_p, eo
 # ----------------------------------------------------------------------------- reward
 # The contract: reward(kind, response, answer) -> (score in [0, 1], feedback str or None), never
 # raises, bounded time on any string. `kind` picks the checker; feedback (None on success) is
-# one sentence for the SDPO teacher prompt and never reveals the answer.
+# for the SDPO teacher prompt: short (code: the failing public test's input, expected and got, up to
+# 1500 characters), never the reference answer or a hidden test.
 REWARD_FNS = checkers.CHECKS  # kind -> checker: the table in data/checkers.py (a new kind is a line there)
 
 
@@ -502,7 +506,7 @@ def strip_thinking(text):
     close, open_ = text.find("</think>"), text.find("<think>")
     if close >= 0 and (open_ < 0 or close < open_):  # the first </think> closes a block the template opened
         text = "<think>" + text
-    text = re.sub(r"<think>.*?</think>", "", text, flags=re.DOTALL)
+    text = re.sub(r"<think>.*?</think>", "", text, flags=re.DOTALL).rsplit("</think>", 1)[-1]  # (a second stray one)
     return text.split("<think>")[0].strip()
 
 
@@ -1033,8 +1037,9 @@ class Run:
 
 def setup(cfg, ddp, stack):
     """Everything before the first iteration: data, model, teacher copies, optimizer, resumed state.
-    Every input is checked (config, data files, model, optional packages) before out_dir is touched,
-    and an earlier run's outputs are only replaced with --overwrite=True, after all checks."""
+    A fresh run's every input is checked (config, data files, model, optional packages) before out_dir
+    is touched, and an earlier run's outputs are only replaced with --overwrite=True, after all checks;
+    a resume takes the folder's lock (and mends what a crash left) before it reads the checkpoint."""
     dev, out_dir = ddp.device, cfg["out_dir"]
     ckpt_dir, resume = os.path.join(out_dir, "ckpt"), cfg["init_from"] == "resume"
     stages = parse_stages(cfg["stages"], cfg["dataset"], cfg["max_iters"])
@@ -1372,7 +1377,7 @@ def train_loop(run, cfg, ddp):
                 row, lengths = score_and_log_eval_sets(run, cfg, ddp, "periodic")
                 passed = row if metrics.check_eval(state.guard, row, lengths, cfg, trained) else None  # may stop
             if (eval_due and not cfg["save_interval"]) or (
-                    cfg["save_interval"] and state.iter % cfg["save_interval"] == 0 and not last):
+                    cfg["save_interval"] and state.stage_iter % cfg["save_interval"] == 0 and not last):
                 save_checkpoint(run, cfg, ddp, passed=passed)
         # end of stage: a few rollouts, a row of the accuracy matrix, a snapshot, a checkpoint
         if batch is not None:

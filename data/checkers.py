@@ -15,13 +15,14 @@ Each checker takes (response, answer) and returns (score in [0, 1], feedback str
 CHECKS (at the end) maps each task's `kind` to one of them: train.py's reward() dispatch, and the
 kinds task files may use.
 
-Feedback is None on success, else one sentence for the SDPO teacher prompt; it never reveals the
-reference answer. The checkers take bounded time on any string: they only look at the end of a
-response (TAIL_CHARS), compare answers structurally only when they are short (MAX_ANSWER_CHARS),
-and decide symbolic equivalence by evaluating both sides at fixed sample points with a tiny AST
-evaluator over complex floats (no eval, no sympy, no big-int power towers). The common case (an
-exact or a plain-number answer) takes microseconds. train.py still wraps every call in a
-try/except: a checker bug must not stop training.
+Feedback is None on success, else a short text for the SDPO teacher prompt (code: the failing public
+test's input, expected and got output, up to 1500 characters); it never reveals the reference answer
+or a hidden test. The checkers take bounded time on any string: they read a bounded slice of a
+response (its end, TAIL_CHARS; tool calls its first TOOL_CHARS; code its last CODE_CHARS), compare
+answers structurally only when they are short (MAX_ANSWER_CHARS), and decide symbolic equivalence
+by evaluating both sides at fixed sample points with a tiny AST evaluator over complex floats (no
+eval, no sympy, no big-int power towers). The common case (an exact or a plain-number answer) takes
+microseconds. train.py still wraps every call in a try/except: a checker bug must not stop training.
 """
 import ast
 import cmath
@@ -344,7 +345,8 @@ def _close_of(s, i):
 
 
 def _unparen(s):
-    """'(5)' -> '5', '\\text{(C)}' -> 'C'; a tuple '(1,2)' or a product '(a+1)(b+2)' stays."""
+    """'(5)' -> '5' (and '\\text{(C)}' -> 'C' once normalize_math_answer has dropped the \\text); a tuple
+    '(1,2)' or a product '(a+1)(b+2)' stays."""
     while len(s) >= 2 and s[0] == "(" and _close_of(s, 0) == len(s) - 1 and len(_split_top(s[1:-1], ",")) == 1:
         s = s[1:-1]
     return s

@@ -202,3 +202,18 @@ def test_the_console_line_shows_progress_the_distilled_share_and_cut_off_respons
         assert f"truncated {shown}" in metrics.console_line("toy/sort", dict(record, truncated=cut), 60)
     sft = {k: record[k] for k in ("iter", "loss", "tokens", "iter_s", "train_s")}  # SFT logs no rollout signals
     assert metrics.console_line("toy/add", sft, 60).startswith("toy/add iter 4/60 | loss 0.5 | tok/s 500")
+
+
+def test_with_save_interval_a_passing_periodic_eval_of_a_later_stage_is_saved_as_ckpt_good(toy_data, tmp_path, monkeypatch):
+    """save_interval counts a stage's iterations, as eval_interval does, so their multiples meet in every
+    stage: a second stage after a first of odd length once saved at iteration 4 (no eval) and evaluated at
+    5 (no save), and ckpt_good moved only at stage ends."""
+    faked_evals(monkeypatch, [0.5] * 10)
+    real, saves = train.save_checkpoint, []
+
+    def recording_save(run, cfg, ddp, passed=None):
+        saves.append((run.state.iter, passed is not None))
+        return real(run, cfg, ddp, passed=passed)
+    monkeypatch.setattr(train, "save_checkpoint", recording_save)
+    train.main(tiny_cfg(toy_data, tmp_path / "run", stages="toy/add:3,toy/mul:3", eval_interval=2, save_interval=2))
+    assert saves == [(0, True), (2, True), (3, True), (5, True), (6, True)], saves

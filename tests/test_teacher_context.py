@@ -26,6 +26,7 @@ def test_stray_think_closing_tag_drops_what_precedes_it():
     # the template opened the block and the answer has a <think> of its own after it: the reasoning still goes
     assert train.strip_thinking("reasoning the template opened</think>\\boxed{3} <think>x</think>") == "\\boxed{3}"
     assert train.strip_thinking("reasoning</think>\\boxed{3}\n<think>again, never closed") == "\\boxed{3}"
+    assert train.strip_thinking("reasoning</think>more reasoning</think>\\boxed{3}") == "\\boxed{3}"  # no fragment, no tag
 
 
 def test_teacher_context_text_for_a_hand_made_group():
