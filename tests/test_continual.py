@@ -23,6 +23,7 @@ MATRIX = {"eval_sets": ["A", "B", "C"], "stages": ["A", "B", "C"], "base": {"A":
 def test_continual_metrics_on_a_hand_made_matrix():
     c = ev.continual_metrics(MATRIX)
     assert c["avg_final"] == pytest.approx((0.5 + 0.7 + 0.95) / 3)
+    assert c["avg_acc"] == pytest.approx(c["avg_final"])  # every set trained on
     # A and B were trained on before the last stage; C only in the last one: no forgetting defined
     assert c["forgetting"]["A"] == pytest.approx(0.8 - 0.5)
     assert c["forgetting"]["B"] == pytest.approx(0.9 - 0.7)
@@ -46,9 +47,12 @@ def test_continual_metrics_mixed_stage_unevaluated_stage_and_single_stage():
     assert c["fwt"] == pytest.approx(0.3 - 0.2)
     assert c["forgetting"]["A"] == pytest.approx(0.3) and c["forgetting"]["B"] == pytest.approx(0.3)
     assert c["forgetting"]["C"] is None and c["gain"][1] is None
+    assert c["avg_final"] == pytest.approx((0.3 + 0.1 + 0.9) / 3) and c["avg_acc"] == pytest.approx(c["avg_final"])
     one = ev.continual_metrics({"eval_sets": ["A", "B"], "stages": ["A"], "base": {"A": 0.1, "B": 0.5},
                                 "rows": [[0.7, 0.4]]})
     assert one["avg_final"] == pytest.approx(0.55)
+    assert one["avg_acc"] == pytest.approx(0.7)  # GEM's ACC: B was never trained on
+    assert ev.continual_metrics(dict(m, stages=["D", "E", "F"]))["avg_acc"] is None  # no eval set trained on
     assert one["bwt"] is None and one["fwt"] is None and one["avg_forgetting"] is None
     assert one["forgetting"] == {"A": None, "B": None}
     assert one["max_drop"] == pytest.approx({"A": 0.1 - 0.7, "B": 0.1})

@@ -278,6 +278,22 @@ def test_spectral_k_for():
     assert ev.spectral_k_for((128, 512), 200) == 128 and ev.spectral_k_for((128, 512), 5) == 5
 
 
+def test_spectral_gaps_finds_a_matrix_whose_kth_and_next_singular_values_are_equal():
+    """tests/experiments/spectral_gaps.py: σ_k / σ_k+1 at the k spectral_drift uses (16 for 128 columns)."""
+    from tests.experiments import spectral_gaps
+    q1, q2 = (torch.linalg.qr(torch.randn(128, 128, generator=torch.Generator().manual_seed(s), dtype=torch.float64))[0] for s in (0, 1))
+    spectrum = torch.linspace(10, 1, 128, dtype=torch.float64)
+    flat = spectrum.clone()
+    flat[16] = flat[15]  # σ_17 = σ_16: no gap at the cut
+    state = {"model.layers.0.mlp.up_proj.weight": q1 @ torch.diag(spectrum) @ q2.T,
+             "model.layers.0.mlp.down_proj.weight": q1 @ torch.diag(flat) @ q2.T,
+             "model.embed_tokens.weight": torch.randn(300, 128), "model.norm.weight": torch.ones(128)}
+    g = spectral_gaps.gaps(state)
+    assert set(g) == {"model.layers.0.mlp.up_proj.weight", "model.layers.0.mlp.down_proj.weight"}  # no embedding, no 1-D
+    assert g["model.layers.0.mlp.down_proj.weight"] == pytest.approx(1.0, abs=1e-9)
+    assert g["model.layers.0.mlp.up_proj.weight"] == pytest.approx(float(spectrum[15] / spectrum[16]), rel=1e-6)
+
+
 def test_foreign_formats():
     assert ev.foreign_formats("so <answer>abc</answer>", "exact") == []
     assert ev.foreign_formats("\\boxed{abc}", "exact") == ["boxed"]

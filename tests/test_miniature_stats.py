@@ -64,6 +64,9 @@ def test_paired_diff_uses_pairs_and_verdict_needs_both_intervals():
     assert mini.verdict({"ci": (-0.1, -0.01), "t_ci": (-0.13, 0.02)}, "x", "y") == "no difference resolved"
     # pairs with a missing side are dropped
     assert mini.paired_diff([1.0, None, 3.0], [0.0, 1.0, None])["n"] == 1
+    # equal scores summed in another order (float noise in the last bits) are no difference; equal real ones are
+    assert mini.verdict(mini.paired_diff([0.1 + 0.2] * 8, [0.3] * 8), "x", "y") == "no difference resolved"
+    assert mini.verdict(mini.paired_diff([0.31] * 8, [0.3] * 8), "x", "y") == "x > y"
 
 
 def test_mcnemar_exact():
@@ -138,6 +141,7 @@ def test_run_metrics_forgetting_and_collapse_are_over_the_domains_trained_before
     m = mini.run_metrics(_matrix_run(tmp_path, rows))
     assert m["first_acc"] == 0.40 and math.isclose(m["first_gain"], 0.20) and m["sort"] == 0.01
     assert math.isclose(m["forgetting"], ((0.40 - 0.10) + (0.45 - 0.30)) / 2)  # add and mul only
+    assert math.isclose(m["avg_final"], 0.086) and math.isclose(m["avg_acc"], (0.10 + 0.30 + 0.01) / 3)
     assert m["collapse"] == 0.0
     rows[2][2] = 0.05  # mul at the threshold: not below it
     assert mini.run_metrics(_matrix_run(tmp_path, rows))["collapse"] == 0.0
@@ -145,6 +149,14 @@ def test_run_metrics_forgetting_and_collapse_are_over_the_domains_trained_before
     assert mini.run_metrics(_matrix_run(tmp_path, rows))["collapse"] == 1.0
     view = mini.run_metrics(_matrix_run(tmp_path, rows), n_stages=2)  # the first two stages: add forgotten, mul last
     assert math.isclose(view["forgetting"], 0.40 - 0.30) and view["collapse"] == 0.0
+
+
+def test_a_mixed_first_stage_is_refused_by_the_first_stage_metrics(tmp_path):
+    folder = _matrix_run(tmp_path, [[0.4, 0.2, 0.2, 0.2, 0.2]])
+    matrix = json.loads((tmp_path / "accuracy_matrix.json").read_text())
+    (tmp_path / "accuracy_matrix.json").write_text(json.dumps(dict(matrix, stages=["toy/add+toy/sub"])))
+    with pytest.raises(ValueError, match="first stage 'toy/add\\+toy/sub' is not one of the eval sets"):
+        mini.run_metrics(folder)
 
 
 def test_a_view_of_a_run_with_fewer_stages_is_not_read(tmp_path):

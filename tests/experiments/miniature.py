@@ -133,6 +133,7 @@ METRICS = [
     ("gain3", "third stage's in-domain gain"),
     ("add", "final add"), ("sub", "final sub"), ("mul", "final mul"), ("sort", "final sort"), ("rev", "final rev"),
     ("avg_final", "average final accuracy"),
+    ("avg_acc", "average final accuracy, trained sets (GEM's ACC)"),
     ("forgetting", "average forgetting"),
     ("bwt", "BWT"),
     ("collapse", f"collapse (an earlier domain < {COLLAPSE_ACC})"),
@@ -232,7 +233,9 @@ def mcnemar_exact(a, b):
 
 def paired_diff(a, b, level=0.95, seed=0):
     """Per-pair differences a_i − b_i (pairs with a missing side dropped): {n, mean, se, ci (bootstrap), t_ci}."""
-    d = [x - y for x, y in zip(a, b) if _clean([x]) and _clean([y])]
+    # rounded to 1e-12: equal scores summed in another order differ in their last bits, and eight equal
+    # tiny differences would give zero-width intervals that exclude 0 (a verdict from float noise)
+    d = [round(x - y, 12) for x, y in zip(a, b) if _clean([x]) and _clean([y])]
     m, se = mean_se(d)
     return {"n": len(d), "mean": m, "se": se, "ci": bootstrap_ci(d, level, seed=seed), "t_ci": t_ci(d, level)}
 
@@ -291,6 +294,9 @@ def run_metrics(out_dir, n_stages=None):
     sets, rows = c["eval_sets"], c["rows"]
     final = dict(zip(sets, rows[-1]))
     first = c["stages"][0]
+    if first not in sets:  # a mixed first stage ('a+b') has no one domain for first_acc and first_mid_acc
+        raise ValueError(f"{out_dir}: the first stage {first!r} is not one of the eval sets: the miniature's "
+                         "first-stage metrics need a first stage of one domain that is evaluated")
     j = sets.index(first)
     earlier = {s for stage in c["stages"][:-1] for s in stage.split("+") if s in sets}
     log = []
@@ -311,7 +317,7 @@ def run_metrics(out_dir, n_stages=None):
                                for k in x if k.startswith(mid_key)), None),  # the eval nearest the stage's middle
         "gain2": c["gain"][1] if len(c["gain"]) > 1 else None, "gain3": c["gain"][2] if len(c["gain"]) > 2 else None,
         **{_domain(s): final[s] for s in sets},
-        "avg_final": c["avg_final"], "forgetting": c["avg_forgetting"], "bwt": c["bwt"],
+        "avg_final": c["avg_final"], "avg_acc": c["avg_acc"], "forgetting": c["avg_forgetting"], "bwt": c["bwt"],
         "collapse": float(any(final[s] < COLLAPSE_ACC for s in earlier)) if earlier else None,
         "foreign_format": sum(leak) / len(leak) if leak else None,
         "no_answer": sum(empty) / len(empty) if empty else None,
