@@ -21,13 +21,14 @@ class Kind(NamedTuple):
     own_copy: bool  # its own weights: made at setup, saved in checkpoints, teacher_init mixed in, sharded under fsdp
     reads_initial: bool  # reads the initial model (setup keeps a frozen copy of it)
     reads_student: bool  # reads the student's weights in its forwards (refused under parallel=fsdp: ranks run them unevenly)
+    uses_rate: bool  # teacher_rate is its rate (τ, μ): a run of another kind notes that the setting does nothing
 
 
 KINDS = {  # Teacher's table below, as the code reads it; CHOICES["teacher"] in train.py is its keys
-    "frozen": Kind(own_copy=True, reads_initial=True, reads_student=False),
-    "ema": Kind(own_copy=True, reads_initial=False, reads_student=False),
-    "trust_region": Kind(own_copy=False, reads_initial=True, reads_student=True),
-    "live": Kind(own_copy=False, reads_initial=False, reads_student=True),
+    "frozen": Kind(own_copy=True, reads_initial=True, reads_student=False, uses_rate=False),
+    "ema": Kind(own_copy=True, reads_initial=False, reads_student=False, uses_rate=True),
+    "trust_region": Kind(own_copy=False, reads_initial=True, reads_student=True, uses_rate=True),
+    "live": Kind(own_copy=False, reads_initial=False, reads_student=True, uses_rate=False),
 }
 
 

@@ -276,8 +276,8 @@ def unused_settings(cfg, defaults, vocab):
     sweep such as --density=1.0 over a config that sets density_select must still run."""
     nothing = "does nothing in this run:"
     inert = {  # key: what it does here, if not what it says (None: it acts)
-        "teacher_rate": (None if cfg["teacher"] in ("ema", "trust_region") else
-                         f"{nothing} it is the rate of teacher=ema or trust_region, not {cfg['teacher']}"),
+        "teacher_rate": (None if TEACHER_KINDS[cfg["teacher"]].uses_rate else f"{nothing} it is the rate of teacher="
+                         f"{' or '.join(k for k, kind in TEACHER_KINDS.items() if kind.uses_rate)}, not {cfg['teacher']}"),
         "teacher_init_alpha": None if cfg["teacher_init"] else f"{nothing} it weighs teacher_init, which is not set",
         "density_select": None if cfg["density"] < 1 else f"{nothing} at density=1 every response token is distilled",
         "topk": (f"{nothing} distill={cfg['distill']} does not use it" if cfg["distill"] != "topk" else

@@ -81,7 +81,7 @@ def test_the_teacher_follows_the_student_by_its_kind_and_resets_at_a_stage_bound
     with torch.no_grad():
         for p in student.parameters():
             p.add_(0.1)
-    for kind, moves in (("ema", True), ("frozen", False)):
+    for kind, moves in (("ema", True), ("frozen", False)):  # the EMA's formula; every kind's: the next test
         t = train.Teacher(kind, 0.25, own=models.frozen_copy(initial))
         t.after_step(student)
         p_t, p0, p = (next(m.parameters()) for m in (t.own, initial, student))
@@ -92,6 +92,23 @@ def test_the_teacher_follows_the_student_by_its_kind_and_resets_at_a_stage_bound
         torch.testing.assert_close(next(t.own.parameters()), p)
         t.start_stage("initial", student, initial)
         torch.testing.assert_close(next(t.own.parameters()), p0)
+
+
+def test_after_a_step_a_teacher_with_its_own_copy_moves_exactly_when_its_kind_uses_teacher_rate(toy_data):
+    """KINDS says which kinds read teacher_rate; a new own-copy kind that does but has no after_step branch
+    would be a frozen teacher without a word."""
+    cfg, student, _ = tiny_setup(toy_data, "sdpo")
+    initial = models.frozen_copy(student)
+    with torch.no_grad():
+        for p in student.parameters():
+            p.add_(0.1)
+    for kind, facts in teacher.KINDS.items():
+        if not facts.own_copy:
+            continue
+        t = train.Teacher(kind, 0.25, own=models.frozen_copy(initial))
+        t.after_step(student)
+        moved = not torch.equal(next(t.own.parameters()), next(initial.parameters()))
+        assert moved == facts.uses_rate, (kind, moved)
 
 
 def test_the_trust_region_teachers_logits_are_the_initial_and_current_models_mixed_by_mu(toy_data):

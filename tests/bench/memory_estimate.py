@@ -110,7 +110,9 @@ def lora_rows(rows, cfg, model, n, world_size):
     n_ad = lora_param_count(model, cfg["lora_rank"], cfg["lora_targets"])
     base = 2 if cfg["dtype"] in ("auto", "bfloat16") else 4  # the autocast dtype on CUDA
     kind = "bf16" if base == 2 else "fp32"
-    ema = cfg["algo"] == "sdpo" and cfg["teacher"] == "ema"
+    # a teacher with its own copy is, under LoRA, an adapter copy unless it is the base view itself (the frozen one)
+    ema = (cfg["algo"] == "sdpo" and teacher_module.KINDS[cfg["teacher"]].own_copy
+           and not teacher_module.shares_initial_model(cfg))
     H = ARCH[model]["hidden_size"]
     none = ": none (already bf16)" if base == 2 else ""
     new = {
@@ -118,7 +120,7 @@ def lora_rows(rows, cfg, model, n, world_size):
                     f"params on {cfg['lora_targets']})", base * n + 4 * n_ad),
         "grads": ("grads (fp32): the adapters only", 4 * n_ad),
         "adamw": ("AdamW moments (fp32): the adapters only", 8 * n_ad),
-        "copies": ("teacher copy: the EMA teacher's adapter (fp32); the base is shared" if ema else
+        "copies": ("teacher copy: the teacher's own adapter (fp32); the base is shared" if ema else
                    "teacher / reference copies: none (the frozen teacher and the reference are the base view)",
                    4 * n_ad if ema else 0),
         "autocast_gen": (f"bf16 copies of the {kind} base for decoding{none}", 0 if base == 2 else 2 * n),
