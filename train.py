@@ -467,6 +467,7 @@ def decode(model, prompts, *, group_size, max_new_tokens, temperature, top_p, eo
 # for the SDPO teacher prompt: short (code: the failing public test's input, expected and got, up to
 # 1500 characters), never the reference answer or a hidden test.
 REWARD_FNS = checkers.CHECKS  # kind -> checker: the table in data/checkers.py (a new kind is a line there)
+_CHECKER_ERRORS = set()  # (kind, exception type) already warned about: once per process, not once per response
 
 
 def reward(kind, response, answer, math_checker="builtin"):
@@ -476,7 +477,12 @@ def reward(kind, response, answer, math_checker="builtin"):
         if check is None:
             return 0.0, f"could not check: unknown answer kind {kind!r}"
         return check("" if response is None else str(response), checkers.answer_text(answer))
-    except Exception as e:  # RecursionError, MemoryError, ...: a checker must not stop training
+    except Exception as e:  # RecursionError, MemoryError, ...: a checker must not stop training, nor fail unseen
+        if (kind, type(e)) not in _CHECKER_ERRORS:
+            _CHECKER_ERRORS.add((kind, type(e)))
+            print(f"warning: the {kind!r} answer checker raised {type(e).__name__}: {str(e)[:200]}: such responses score 0 "
+                  "(said once per kind and error; a checker bug in data/checkers.py, or a hostile response)",
+                  file=sys.stderr, flush=True)
         return 0.0, f"could not check the response ({type(e).__name__})"
 
 

@@ -130,7 +130,8 @@ def test_the_prepare_scripts_check_answers_against_their_kind_too(capsys):
         check_row(row, "test line 1")
     assert "test line 1: an mcq answer must be one option letter" in capsys.readouterr().err
     check_row(dict(row, answer="B"), "test line 1")
-    for change, expect in (({"kind": "maxdig"}, "kind='maxdig' has no answer checker (one of math, mcq, tool, exact, code)"),
+    from data.checkers import CHECKS
+    for change, expect in (({"kind": "maxdig"}, f"kind='maxdig' has no answer checker (one of {', '.join(CHECKS)})"),
                            ({"domain": 3}, "domain must be a string, not int")):  # the field that is wrong, by name
         with pytest.raises(SystemExit):
             check_row(dict(row, answer="B", **change), "test line 1")

@@ -1,5 +1,6 @@
 """Reward checkers and prepare scripts, without the benchmark files: equivalence rules, feedback,
 adversarial inputs (never raise, never hang), prepare-script errors and atomic writes."""
+import functools
 import json
 import os
 import signal
@@ -259,10 +260,15 @@ def test_adversarial_inputs(name):
     old = signal.signal(signal.SIGALRM, _on_alarm) if hasattr(signal, "SIGALRM") else None
     try:
         for kind in [k for k in R.CHECKS if k != "code"]:  # every kind, a new one too (code's hostile programs: test_code.py)
-            for response, answer in [(text, a) for a in ANSWERS] + [("\\boxed{5} <answer>B</answer>", text)]:
+            # a hostile response against every reference valid for the kind: the checker itself must not raise
+            # (train.reward would turn an exception into a 0); a hostile reference: through train.reward, which
+            # must return (references are checked at load, answer_problem, and a checker may refuse one)
+            valid = [a for a in ANSWERS if R.answer_problem(kind, a) is None]
+            for response, answer, check in ([(text, a, R.CHECKS[kind]) for a in valid]
+                                            + [("\\boxed{5} <answer>B</answer>", text, functools.partial(reward, kind))]):
                 if old is not None:
                     signal.alarm(20)
-                score, feedback = reward(kind, response, answer)
+                score, feedback = check(response, R.answer_text(answer))
                 assert score in (0.0, 1.0) and (feedback is None or isinstance(feedback, str)), (kind, score)
                 assert (score == 1.0) == (feedback is None)
             got = R.final_answer(kind, text)
@@ -464,3 +470,14 @@ def test_math_checker_dispatch_and_cross_check():
     for response, answer, want in pairs:
         assert train.reward("math", response, answer, math_checker="math_verify")[0] == want, (response, answer)
         assert train.reward("math", response, answer)[0] == want, (response, answer)  # the builtin agrees
+
+
+def test_a_checker_that_raises_scores_0_and_is_said_once_per_kind_and_error(monkeypatch, capsys):
+    """A checker bug must not stop training, nor hide: a run would only see SDPO with no teacher."""
+    def broken(response, answer):
+        raise RuntimeError("index out of range in my new checker")
+    monkeypatch.setitem(R.CHECKS, "broken", broken)
+    monkeypatch.setattr(train, "_CHECKER_ERRORS", set())
+    assert [reward("broken", "x", "1") for _ in range(3)] == [(0.0, "could not check the response (RuntimeError)")] * 3
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "the 'broken' answer checker raised RuntimeError: index out of range" in err[0], err
