@@ -999,8 +999,9 @@ def optimizer_step(model, optimizer, grad_clip):
 def sample_and_score(model, tokenizer, tasks, *, n, temperature, top_p, max_new_tokens, batch_prompts, generator,
              enable_thinking=False, success_threshold=1.0, progress=False, static=False, max_rows=0,
              math_checker="builtin"):
-    """Sample n responses per task; return mean@n, pass@n, mean length, and per-task scores/texts."""
-    scores, texts, lengths = [], [], []
+    """Sample n responses per task; return mean@n, pass@n, mean length, the fraction cut off at
+    max_new_tokens, and per-task scores/texts."""
+    scores, texts, lengths, cut = [], [], [], []
     eos_ids = stop_token_ids(model, tokenizer)
     # progress bars only on a terminal (disable=None): a log file gets the eval line, not the bar
     for start in tqdm(range(0, len(tasks), batch_prompts), desc="eval", disable=None if progress else True, leave=False,
@@ -1017,9 +1018,11 @@ def sample_and_score(model, tokenizer, tasks, *, n, temperature, top_p, max_new_
             scores.append([scored[r][0] for r in rows])
             texts.append([decoded[r] for r in rows])
             lengths.extend(len(out.response_ids[r]) for r in rows)
+            cut.extend(out.truncated[r] for r in rows)
     # a rank's share of a set smaller than the ranks may be empty: score_across_ranks summarises them all
     return {**(accuracy_summary(scores, threshold=success_threshold) if scores else {}),
-            "mean_len": sum(lengths) / max(len(lengths), 1), "scores": scores, "texts": texts}
+            "mean_len": sum(lengths) / max(len(lengths), 1), "truncated": sum(cut) / max(len(cut), 1),
+            "scores": scores, "texts": texts}
 
 
 # ----------------------------------------------------------------------------- main
@@ -1208,8 +1211,12 @@ def score_and_log_eval_sets(run, cfg, ddp, tag):
     def teacher_note(name):
         m, of = record[f"eval/{name}/teacher_prompts"], len(run.eval_tasks[name])
         return f" (teacher {taught[name]:.3f}" + (f" on {m} of its {of} prompts)" if m < of else ")")
+
+    def cut_note(name):  # an answer format longer than max_new_tokens scores 0 without another sign
+        cut = record[f"eval/{name}/truncated"]
+        return f" ({cut:.0%} cut off at max_new_tokens={cfg['max_new_tokens']})" if cut > 0 else ""
     run.log.say(f"eval @ iter {state.iter} ({tag}): " + ", ".join(
-        f"{k} mean@{n} {v:.3f}" + (teacher_note(k) if taught[k] is not None else "") for k, v in row.items()))
+        f"{k} mean@{n} {v:.3f}" + cut_note(k) + (teacher_note(k) if taught[k] is not None else "") for k, v in row.items()))
     return row, lengths
 
 
@@ -1223,9 +1230,12 @@ def score_across_ranks(run, cfg, ddp, model, tasks, generator):
                                enable_thinking=cfg["enable_thinking"], success_threshold=cfg["success_threshold"],
                                static=use_static_rollout(cfg["static_rollout"], ddp.device), max_rows=cfg["gen_batch_size"],
                                progress=ddp.master, math_checker=cfg["math_checker"])
-    per_rank = ddp.gather((res["scores"], res["mean_len"] * n * len(res["scores"])))
-    scores = [row for rank_scores, _ in per_rank for row in rank_scores]
-    return accuracy_summary(scores, threshold=cfg["success_threshold"]), sum(t for _, t in per_rank) / (n * len(scores))
+    rows = n * len(res["scores"])
+    per_rank = ddp.gather((res["scores"], res["mean_len"] * rows, res["truncated"] * rows))
+    scores = [row for rank_scores, _, _ in per_rank for row in rank_scores]
+    acc = accuracy_summary(scores, threshold=cfg["success_threshold"])
+    acc["truncated"] = sum(c for _, _, c in per_rank) / (n * len(scores))  # cut off at max_new_tokens
+    return acc, sum(t for _, t, _ in per_rank) / (n * len(scores))
 
 
 def save_checkpoint(run, cfg, ddp, passed=None):

@@ -2,7 +2,7 @@
 it logs to samples.jsonl."""
 import os
 
-from conftest import TINY, math_isfinite, read_log, run_train
+from conftest import TINY, math_isfinite, read_log, run_train, tiny_cfg
 
 import train
 
@@ -50,3 +50,11 @@ def test_samples_jsonl_rows_come_from_several_groups():
     rows = metrics.sample_rows(batch, tasks, G, lambda ids: str(ids), iteration=7)
     assert [r["response"] for r in rows] == ["r0", "r1", "r3", "r4", "r6", "r7", "r9", "r10"]
     assert {r["answer"] for r in rows} == {"0", "1", "2", "3"}  # four prompts, not only the first
+
+
+def test_an_eval_whose_responses_are_cut_off_says_so(toy_data, tmp_path, capsys):
+    """A toy answer needs ~19 tokens: at max_new_tokens=3 every eval scores 0, and only the cut-off share says why."""
+    train.main(tiny_cfg(toy_data, tmp_path / "run", max_iters=1, max_new_tokens=3))
+    evals = [r for r in read_log(tmp_path / "run") if "eval_tag" in r]
+    assert evals and all(r["eval/toy/add/truncated"] == 1.0 and r["eval/toy/add/mean@2"] == 0.0 for r in evals)
+    assert "toy/add mean@2 0.000 (100% cut off at max_new_tokens=3)" in capsys.readouterr().out
