@@ -3,12 +3,14 @@ Shared helpers for the real-benchmark data/<name>/prepare.py scripts: command-li
 reading local JSON/JSONL sources, the paper's prompts, schema rows, atomic JSONL writing and
 one-line error exits. Also EVAL_PRESETS, the named groups of eval sets that eval.py understands.
 
-Every prepare script downloads from the HF hub by default (`datasets.load_dataset`), or converts
+Every benchmark's prepare script downloads from the HF hub by default (`datasets.load_dataset`), or converts
 local files with --from_file=PATH (repeatable, or a comma list; a file whose name holds
 "train" / "test" feeds that split). It writes data/<name>/{train,test}.jsonl (or --out_dir), one
 task a line: {"id", "domain", "kind", "messages": [{"role", "content"}...], "answer", ...extras}.
 Nothing is half-written: every line is converted and checked first, then each file goes to a
-temp file that is renamed into place.
+temp file that is renamed into place. A generated set of your own needs only make_row and
+write_splits, which checks each row as train.py will (except the characters a tokenizer
+cannot encode: train.py checks those once it has read the tokenizer).
 """
 import argparse
 import json
