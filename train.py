@@ -272,8 +272,9 @@ def check_config(cfg):
 
 def unused_settings(cfg, defaults, vocab):
     """Notes for settings moved from their default that this run's other settings make do nothing (or,
-    topk at the vocabulary's size, something other than what they say). Said, not refused: the config cannot tell a value someone typed from one a config file set, and a
-    sweep such as --density=1.0 over a config that sets density_select must still run."""
+    topk at the vocabulary's size, something other than what they say). Said, not refused: the config
+    cannot tell a value someone typed from one a config file set, and a sweep such as --density=1.0
+    over a config that sets density_select must still run."""
     nothing = "does nothing in this run:"
     inert = {  # key: what it does here, if not what it says (None: it acts)
         "teacher_rate": (None if TEACHER_KINDS[cfg["teacher"]].uses_rate else f"{nothing} it is the rate of teacher="
