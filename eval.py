@@ -768,7 +768,8 @@ def markdown(report):
             lines.append(f"| {i + 1}: {stage} | " + " | ".join(_f(v) for v in row) + " |")
         lines.append("| forgetting | " + " | ".join(_f(c["forgetting"].get(s)) for s in sets) + " |")
         lines.append("| max drop | " + " | ".join(_f(c["max_drop"].get(s)) for s in sets) + " |")
-        lines += ["", f"average final accuracy {_f(c['avg_final'])} (trained sets only, GEM's ACC: {_f(c['avg_acc'])}), average forgetting {_f(c['avg_forgetting'])}, "
+        lines += ["", f"average final accuracy {_f(c['avg_final'])} (every set; over the trained sets, GEM's ACC: "
+                  f"{_f(c['avg_acc'])}), average forgetting {_f(c['avg_forgetting'])}, "
                   f"BWT {_f(c['bwt'])}, FWT {_f(c['fwt'])}, in-domain gain per stage "
                   + ", ".join(_f(g) for g in c["gain"]), ""]
     d = report.get("drift")

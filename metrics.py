@@ -167,7 +167,8 @@ def stuck_warnings(record, counts, algo, grpo_in_loss=True):
         "zero_signal_groups": (grpo_in_loss and record.get("zero_signal_groups") == 1, "every group's rewards were equal, "
                                "so GRPO had no signal: raise group_size, or use a dataset this model solves sometimes"),
         "peer_frac": (algo == "sdpo" and record.get("peer_frac") == 0, "no response had a teacher prompt (no "
-                      "successful peer, no feedback), so SDPO had no signal: lower success_threshold, raise group_size, or set use_feedback=True"),
+                      "successful peer, no feedback), so SDPO had no signal: lower success_threshold, raise "
+                      "group_size, or set use_feedback=True"),
         "truncated": (record.get("truncated") == 1, "every response hit max_new_tokens before an EOS: raise max_new_tokens"),
     }
     out = []

@@ -1231,12 +1231,13 @@ def score_across_ranks(run, cfg, ddp, model, tasks, generator):
                                enable_thinking=cfg["enable_thinking"], success_threshold=cfg["success_threshold"],
                                static=use_static_rollout(cfg["static_rollout"], ddp.device), max_rows=cfg["gen_batch_size"],
                                progress=ddp.master, math_checker=cfg["math_checker"])
-    rows = n * len(res["scores"])
+    rows = n * len(res["scores"])  # this rank's responses; the means are over every rank's
     per_rank = ddp.gather((res["scores"], res["mean_len"] * rows, res["truncated"] * rows))
     scores = [row for rank_scores, _, _ in per_rank for row in rank_scores]
+    total = n * len(scores)
     acc = accuracy_summary(scores, threshold=cfg["success_threshold"])
-    acc["truncated"] = sum(c for _, _, c in per_rank) / (n * len(scores))  # cut off at max_new_tokens
-    return acc, sum(t for _, t, _ in per_rank) / (n * len(scores))
+    acc["truncated"] = sum(c for _, _, c in per_rank) / total  # cut off at max_new_tokens
+    return acc, sum(t for _, t, _ in per_rank) / total
 
 
 def save_checkpoint(run, cfg, ddp, passed=None):

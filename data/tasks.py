@@ -52,11 +52,11 @@ def missing_set(data_dir, part, split, path):
     prepared = any(os.path.exists(os.path.join(parent, n, f"{split}.jsonl")) for n in beside)
     line = f"{path} not found (looked for {searched(path)})"
     folder = resolve(os.path.join(data_dir, part))
-    others = sorted(f[:-len(".jsonl")] for f in os.listdir(folder) if f.endswith(".jsonl")) if os.path.isdir(folder) else []
+    names = os.listdir(folder) if os.path.isdir(folder) else []
+    others = sorted(f[:-len(".jsonl")] for f in names if f.endswith(".jsonl"))
     if others:  # the set is there, without this split (aime, math500 ... are test sets only)
         return f"{line}: the set {part} has no {split} split (only {', '.join(others)}): use a set that has one"
-    inside = sorted(n for n in (os.listdir(folder) if os.path.isdir(folder) else ())
-                    if os.path.exists(os.path.join(folder, n, f"{split}.jsonl")))
+    inside = sorted(n for n in names if os.path.exists(os.path.join(folder, n, f"{split}.jsonl")))
     if inside:  # a folder of sets (data/toy), not a set
         return f"{line}: {part} is a folder of sets, not a set: name one of " + ", ".join(f"{part}/{n}" for n in inside)
     if os.path.exists(prepare) and (part == head or os.path.isdir(folder) or not prepared):

@@ -105,14 +105,13 @@ def lora_param_count(name, rank, targets):
                and (names == models.LORA_ALL or any(n == t or n.endswith("." + t) for t in names)))
 
 
-def lora_rows(rows, cfg, model, n, world_size):
-    """The rows of a LoRA run (module docstring): the training state is the adapters', the base frozen."""
+def lora_rows(rows, cfg, model, n, world_size, own_copy):
+    """The rows of a LoRA run (module docstring): the training state is the adapters', the base frozen.
+    own_copy: the teacher holds weights of its own (under LoRA an adapter copy; the frozen teacher that is
+    the initial model is the base view)."""
     n_ad = lora_param_count(model, cfg["lora_rank"], cfg["lora_targets"])
     base = 2 if cfg["dtype"] in ("auto", "bfloat16") else 4  # the autocast dtype on CUDA
     kind = "bf16" if base == 2 else "fp32"
-    # a teacher with its own copy is, under LoRA, an adapter copy unless it is the base view itself (the frozen one)
-    ema = (cfg["algo"] == "sdpo" and teacher_module.KINDS[cfg["teacher"]].own_copy
-           and not teacher_module.shares_initial_model(cfg))
     H = ARCH[model]["hidden_size"]
     none = ": none (already bf16)" if base == 2 else ""
     new = {
@@ -120,9 +119,9 @@ def lora_rows(rows, cfg, model, n, world_size):
                     f"params on {cfg['lora_targets']})", base * n + 4 * n_ad),
         "grads": ("grads (fp32): the adapters only", 4 * n_ad),
         "adamw": ("AdamW moments (fp32): the adapters only", 8 * n_ad),
-        "copies": ("teacher copy: the teacher's own adapter (fp32); the base is shared" if ema else
+        "copies": ("teacher copy: the teacher's own adapter (fp32); the base is shared" if own_copy else
                    "teacher / reference copies: none (the frozen teacher and the reference are the base view)",
-                   4 * n_ad if ema else 0),
+                   4 * n_ad if own_copy else 0),
         "autocast_gen": (f"bf16 copies of the {kind} base for decoding{none}", 0 if base == 2 else 2 * n),
         "autocast_step": (f"autocast's bf16 copies of the {kind} base, saved for the backward{none}",
                           0 if base == 2 else 2 * n),
@@ -230,7 +229,7 @@ def estimate(cfg, model, world_size=1, prompt_tokens=512, teacher_prompt_tokens=
             int(own_teacher) + int(kl_reference and (own_copy or not own_teacher))))
     n_adapter = 0
     if cfg["lora_rank"]:
-        rows, n_adapter = lora_rows(rows, cfg, model, n, world_size)
+        rows, n_adapter = lora_rows(rows, cfg, model, n, world_size, own_copy=own_copy)
     # the decode state (the rollout's static cache and the decode weights, decoding.decode_weights) stays
     # through the train step and the optimizer step after it only where it fits beside the larger of the
     # two (decoding.StepMemory measures both as one); fsdp keeps no decode weights
