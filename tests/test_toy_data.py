@@ -61,7 +61,7 @@ def test_the_toy_prepare_script_refuses_arguments_it_would_ignore(toy_data):
     """Its sets are fixed in the file: `--seed=3` printed 'wrote ...' and changed nothing."""
     import subprocess
     import sys
-    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data", "toy", "prepare.py")
+    script = os.path.join(toy_data, "toy", "prepare.py")  # (load_prepare's path)
     stamp = os.path.join(toy_data, "toy", "prepared.sha256")
     before = os.stat(stamp).st_mtime_ns
     proc = subprocess.run([sys.executable, script, "--seed=3"], capture_output=True, text=True, timeout=120)
